@@ -1,0 +1,176 @@
+"""Moment codecs (bf16, block-scaled fp8) and the stochastic-rounding counter hash, in torch.
+
+This is the torch twin of ``csrc/codecs.h``; both follow ``docs/numerics.md`` bit for bit.
+Integer work is done in int64 and masked to 32 bits, so no intermediate can overflow.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+FP8_BLOCK = 128
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+# (emin, mantissa bits) of the two fp8 grids, docs/numerics.md section 3.
+E4M3_GRID = (-6, 3)
+E5M2_GRID = (-14, 2)
+
+_MIX_MUL1 = 0x7FEB352D
+_MIX_MUL2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+
+
+def f32(x: float) -> float:
+    """The binary32 value nearest to ``x``, as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# --------------------------------------------------------------------------- the hash
+
+def mix32(x: int) -> int:
+    """The 32-bit finaliser of docs/numerics.md section 2, on a Python int."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _MIX_MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * _MIX_MUL2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def stream_key(seed: int, step: int, param_index: int) -> int:
+    """The per-(seed, step, parameter) key that all of a tensor's random bits derive from."""
+    key = mix32((seed & MASK32) ^ _GOLDEN)
+    key = mix32(key ^ ((seed >> 32) & MASK32))
+    key = mix32(key ^ (step & MASK32))
+    return mix32(key ^ (param_index & MASK32))
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    # x < 2**32: split the constant in 16-bit halves so every product stays below 2**48.
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & MASK32
+
+
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``mix32`` element-wise on an int64 tensor of values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_MUL2)
+    return x ^ (x >> 16)
+
+
+def element_hash(key: int, start: int, n: int) -> torch.Tensor:
+    """r(i) for the global indices i = start .. start+n-1, as int64 values in [0, 2**32)."""
+    index = torch.arange(start, start + n, dtype=torch.int64)
+    high = mix32_tensor(index >> 32)
+    return mix32_tensor((index & MASK32) ^ key ^ high)
+
+
+def hash_halves(key: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit random numbers of the first (low half) and second (high half) moment."""
+    r = element_hash(key, start, n)
+    return r & 0xFFFF, r >> 16
+
+
+# --------------------------------------------------------------------------- bf16
+
+def _f32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
+
+
+def bf16_encode(x: torch.Tensor, r16: torch.Tensor | None) -> torch.Tensor:
+    """fp32 -> bf16: stochastic rounding with 16 random bits per element, or RNE when None.
+
+    Stochastic: add the random bits below the kept 16 and truncate, which rounds the
+    magnitude up with probability equal to the discarded fraction.
+    """
+    if r16 is None:
+        return x.to(torch.bfloat16)
+    bits = (_f32_bits(x.float()) + r16) & 0xFFFF0000
+    as_i32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return as_i32.view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
+
+
+def bf16_decode(x: torch.Tensor) -> torch.Tensor:
+    return x.float()
+
+
+# --------------------------------------------------------------------------- fp8
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent built from its bits (exact; exponent within the normal fp32 range)."""
+    return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def fp8_round_to_grid(x: torch.Tensor, grid: tuple[int, int],
+                      r16: torch.Tensor | None) -> torch.Tensor:
+    """Round x >= 0 (already scaled to the format's range) onto the fp8 grid.
+
+    Returns y * q, exactly representable in the format: y = floor(t + u) (stochastic) or
+    rint(t) (nearest even), t = x / q, q the grid spacing at x (docs/numerics.md section 3).
+    """
+    emin, mbits = grid
+    exponent = ((_f32_bits(x) >> 23) & 0xFF) - 127
+    spacing_exp = torch.clamp(exponent, min=emin) - mbits
+    inv_q = _pow2(-spacing_exp)
+    q = _pow2(spacing_exp)
+    t = x * inv_q
+    if r16 is None:
+        y = torch.round(t)                          # torch.round is half-to-even
+    else:
+        u = r16.float() * (2.0 ** -16)
+        y = torch.floor(t + u)
+    return y * q
+
+
+def _block_absmax(x: torch.Tensor) -> torch.Tensor:
+    """Max |x| per block of FP8_BLOCK elements (the last block may be short)."""
+    n = x.numel()
+    pad = (-n) % FP8_BLOCK
+    padded = torch.nn.functional.pad(x.abs(), (0, pad)) if pad else x.abs()
+    return padded.view(-1, FP8_BLOCK).amax(dim=1)
+
+
+def _per_element(block_values: torch.Tensor, n: int) -> torch.Tensor:
+    return block_values.repeat_interleave(FP8_BLOCK)[:n]
+
+
+def fp8_encode_m(m: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """First moment (fp32, one whole range starting at a block boundary) -> (e4m3, scales)."""
+    amax = _block_absmax(m)
+    scale = amax / E4M3_MAX
+    # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
+    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
+    x = torch.clamp(m.abs() * _per_element(inv, m.numel()), max=E4M3_MAX)
+    rounded = fp8_round_to_grid(x, E4M3_GRID, r16)
+    signed = torch.where(m < 0, -rounded, rounded)
+    return signed.to(torch.float8_e4m3fn), scale
+
+
+def fp8_encode_sqrt_v(s: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqrt of the second moment (fp32, >= 0) -> (e5m2, scales)."""
+    amax = _block_absmax(s)
+    scale = amax / E5M2_MAX
+    inv = torch.where(amax > 0, torch.full_like(amax, E5M2_MAX) / amax, torch.zeros_like(amax))
+    x = torch.clamp(s * _per_element(inv, s.numel()), max=E5M2_MAX)
+    return fp8_round_to_grid(x, E5M2_GRID, r16).to(torch.float8_e5m2), scale
+
+
+def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 codes (e4m3 or e5m2) times their block's scale, as fp32."""
+    return codes.float() * _per_element(scale, codes.numel())
+
+
+def fp8_decode_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The second moment v from its stored square root."""
+    s = fp8_decode(codes, scale)
+    return s * s
+
+
+def fp8_num_blocks(numel: int) -> int:
+    return (numel + FP8_BLOCK - 1) // FP8_BLOCK

@@ -1,0 +1,260 @@
+"""AdamBridge: a torch.optim.Optimizer whose AdamW state lives in host memory; no math here.
+
+The class validates arguments, owns param_groups and the per-parameter state dicts, turns
+gradients into UpdateItems and hands them to ``functional.adamw_update`` in one batch.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from . import _validation as check
+from . import checkpoint, state as host_state
+from .codecs import stream_key
+from .functional import Hyper, UpdateItem, adamw_update
+
+# torch.optim.AdamW flags this optimizer does not implement: refused when truthy.
+UNSUPPORTED_TORCH_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
+
+
+class AdamBridge(torch.optim.Optimizer):
+    """AdamW with fp32 master weights and both moments in host RAM, updated by a fused kernel.
+
+    A drop-in replacement for ``torch.optim.AdamW`` (``backward(); step(); zero_grad()``)
+    with the same arithmetic. Parameters may be fp32, bf16 or fp16 on any device; after each
+    update a parameter receives its fp32 master rounded to nearest even. See README.md for
+    every argument.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        precision: str = "fp32",
+        stochastic_rounding: bool = True,
+        backend: str = "auto",
+        numa_aware: bool = True,
+        num_threads: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        release_grads: bool = True,
+        overlap_writeback: bool = True,
+        autotune: Any = False,
+        seed: int = 0,
+        small_param_threshold: int = 65536,
+        **torch_flags: Any,
+    ) -> None:
+        check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
+        check.hyperparameters(lr, betas, eps, weight_decay)
+        self._precision = check.precision(precision)
+        self._backend_request = check.backend(backend)
+        self.stochastic_rounding = check.boolean("stochastic_rounding", stochastic_rounding)
+        self.numa_aware = check.boolean("numa_aware", numa_aware)
+        self.num_threads = check.optional_positive_int("num_threads", num_threads)
+        self.chunk_size = check.chunk_size(chunk_size)
+        self.release_grads = check.boolean("release_grads", release_grads)
+        self.overlap_writeback = check.boolean("overlap_writeback", overlap_writeback)
+        self.seed = check.seed(seed)
+        self.small_param_threshold = check.non_negative_int("small_param_threshold",
+                                                            small_param_threshold)
+        self.autotune_config = check.autotune(autotune)
+        self.autotune_log: list = []
+        self.last_step_stats = None
+        self._resolved_backend: Optional[str] = None
+        self._param_index: dict[torch.Tensor, int] = {}
+        self._layout: dict[torch.Tensor, tuple[torch.Size, torch.dtype]] = {}
+        self._writeback: dict[torch.Tensor, torch.Tensor] = {}
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        if self._backend_request == "native":
+            self._resolve_backend()  # fail now, not at the first step
+
+    # ------------------------------------------------------------------ public attributes
+
+    @property
+    def precision(self) -> str:
+        """How m and v are stored: 'fp32', 'bf16' or 'fp8'."""
+        return self._precision
+
+    @property
+    def backend(self) -> str:
+        """'native/<isa>' (e.g. 'native/avx2') or 'torch'. Resolving may build the kernel."""
+        self._resolve_backend()
+        if self._resolved_backend == "native":
+            from ._native import loader
+            return f"native/{loader.isa_name()}"
+        return "torch"
+
+    def host_state_bytes(self) -> int:
+        """Bytes of host memory held by all parameters' master weights and moments."""
+        return sum(host_state.state_bytes(s) for s in self.state.values() if s)
+
+    # ------------------------------------------------------------------ param groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # Weight tying: one tensor reached twice gets one state (torch.optim warns instead).
+        unique, seen = [], set()
+        for p in params:
+            key = p[1] if isinstance(p, tuple) else p
+            if isinstance(key, torch.Tensor):
+                if key in seen:
+                    continue
+                seen.add(key)
+                check.parameter(key, len(self._param_index) + len(unique))
+            unique.append(p)
+        param_group = dict(param_group, params=unique)
+        if "lr" in param_group or "betas" in param_group or "eps" in param_group:
+            check.hyperparameters(param_group.get("lr", self.defaults["lr"]),
+                                  param_group.get("betas", self.defaults["betas"]),
+                                  param_group.get("eps", self.defaults["eps"]),
+                                  param_group.get("weight_decay", self.defaults["weight_decay"]))
+        super().add_param_group(param_group)
+        self._index_params()
+
+    def _index_params(self) -> None:
+        # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
+        flat = [p for group in self.param_groups for p in group["params"]]
+        self._param_index = {p: i for i, p in enumerate(flat)}
+
+    # ------------------------------------------------------------------ backend
+
+    def _resolve_backend(self) -> str:
+        if self._resolved_backend is None:
+            self._resolved_backend = self._pick_backend()
+        return self._resolved_backend
+
+    def _pick_backend(self) -> str:
+        if self._backend_request == "torch":
+            return "torch"
+        from ._native import loader
+        if self._backend_request == "native":
+            loader.load()  # raises a clear error when the kernel cannot be built
+        elif loader.native_or_none() is None:
+            return "torch"
+        if self.num_threads is not None:
+            loader.set_num_threads(self.num_threads)
+        return "native"
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One AdamW update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._collect_work()
+        if not work:
+            return loss
+        backend = self._resolve_backend()
+        items = [self._update_item(p, group, state, step) for p, group, state, step in work]
+        adamw_update(items, backend)
+        for p, _, state, step in work:
+            state["step"].fill_(step)
+            self._write_back(p, state)
+        return loss
+
+    def _collect_work(self) -> list:
+        """Validate every gradient first, so a bad one leaves everything untouched."""
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                check.gradient(p, self._param_index[p], self._layout.get(p))
+                work.append((p, group))
+        prepared = []
+        for p, group in work:
+            state = self.state[p]
+            if not state:
+                state.update(self._new_state(p))
+            prepared.append((p, group, state, int(state["step"].item()) + 1))
+        return prepared
+
+    def _new_state(self, p: torch.Tensor) -> dict:
+        self._layout[p] = (p.shape, p.dtype)
+        return host_state.new_state(p.detach(), self._precision, alias=_can_alias_master(p))
+
+    def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int) -> UpdateItem:
+        beta1, beta2 = group["betas"]
+        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                               weight_decay=group["weight_decay"], step=step)
+        if _can_alias_master(p):
+            state["master"] = p.detach().view(-1)  # follows p.data if it was replaced
+        return UpdateItem(
+            master=state["master"], grad=_host_grad(p), exp_avg=state["exp_avg"],
+            exp_avg_sq=state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
+            exp_avg_sq_scale=state.get("exp_avg_sq_scale"), out=self._out_buffer(p),
+            offset=0, key=stream_key(self.seed, step, self._param_index[p]),
+            precision=host_state.precision_of(state), stochastic_rounding=self.stochastic_rounding,
+            hyper=hyper)
+
+    def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where the kernel writes the rounded copy: into p itself when it can."""
+        if _can_alias_master(p):
+            return None
+        if p.device.type == "cpu" and p.is_contiguous():
+            return p.detach().view(-1)
+        if p.dtype == torch.float32:
+            return None  # the master itself is the fp32 copy
+        buffer = self._writeback.get(p)
+        if buffer is None:
+            buffer = self._writeback[p] = host_state.host_empty(p.numel(), p.dtype)
+        return buffer
+
+    def _write_back(self, p: torch.Tensor, state: dict) -> None:
+        if _can_alias_master(p) or (p.device.type == "cpu" and p.is_contiguous()):
+            return  # the kernel wrote into p directly
+        source = state["master"] if p.dtype == torch.float32 else self._writeback[p]
+        p.detach().copy_(source.view(p.shape))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        saved = super().state_dict()
+        saved["adambridge"] = {"seed": self.seed, "precision": self._precision}
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint (ours, or torch.optim.AdamW's), converting the precision.
+
+        Everything is validated before anything changes: a mismatched checkpoint raises
+        and leaves the optimizer as it was.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        params = [p for group in self.param_groups for p in group["params"]]
+        new_state, new_groups = checkpoint.restore(state_dict, self.param_groups, params,
+                                                   self._precision)
+        self.state.clear()
+        for p, s in new_state.items():
+            self.state[p] = s
+            self._layout[p] = (p.shape, p.dtype)
+        self.param_groups = new_groups
+        self._index_params()
+        self.seed = state_dict.get("adambridge", {}).get("seed", self.seed)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+def _can_alias_master(p: torch.Tensor) -> bool:
+    """An fp32, contiguous CPU parameter is its own master: no copy, no write-back."""
+    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+
+
+def _host_grad(p: torch.Tensor) -> torch.Tensor:
+    grad = p.grad.detach()
+    if grad.device.type != "cpu":
+        grad = grad.to("cpu")  # synchronous mode: a blocking device-to-host copy
+    return grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+
+
+OptiComputeAdamW = AdamBridge

@@ -1,0 +1,65 @@
+"""The pure-torch backend: the ground truth every native kernel is tested against, and the fallback.
+
+One function, ``update_range``, applies docs/numerics.md to one UpdateItem (a contiguous range
+of one parameter) on CPU tensors. Every line is one IEEE fp32 operation (no lerp, addcmul or
+addcdiv, which may fuse), so the C kernel can reproduce it bit for bit.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import codecs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .functional import UpdateItem
+
+
+def _load_moments(item: "UpdateItem") -> tuple[torch.Tensor, torch.Tensor]:
+    if item.precision == "fp32":
+        return item.exp_avg.clone(), item.exp_avg_sq.clone()
+    if item.precision == "bf16":
+        return codecs.bf16_decode(item.exp_avg), codecs.bf16_decode(item.exp_avg_sq)
+    m = codecs.fp8_decode(item.exp_avg, item.exp_avg_scale)
+    v = codecs.fp8_decode_v(item.exp_avg_sq, item.exp_avg_sq_scale)
+    return m, v
+
+
+def _store_moments(item: "UpdateItem", m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+    if item.precision == "fp32":
+        item.exp_avg.copy_(m)
+        item.exp_avg_sq.copy_(v)
+        return
+    r_m = r_v = None
+    if item.stochastic_rounding:
+        r_m, r_v = codecs.hash_halves(item.key, item.offset, m.numel())
+    if item.precision == "bf16":
+        item.exp_avg.copy_(codecs.bf16_encode(m, r_m))
+        item.exp_avg_sq.copy_(codecs.bf16_encode(v, r_v))
+        return
+    codes_m, scale_m = codecs.fp8_encode_m(m, r_m)
+    codes_s, scale_s = codecs.fp8_encode_sqrt_v(s, r_v)
+    item.exp_avg.copy_(codes_m)
+    item.exp_avg_scale.copy_(scale_m)
+    item.exp_avg_sq.copy_(codes_s)
+    item.exp_avg_sq_scale.copy_(scale_s)
+
+
+def update_range(item: "UpdateItem") -> None:
+    """AdamW on one range, in place: master, moments and the low-precision copy."""
+    h = item.hyper
+    g = item.grad.float()
+    m, v = _load_moments(item)
+    p = item.master * h.decay                    # decoupled weight decay
+    m = m * h.beta1                              # m = beta1*m + (1-beta1)*g
+    m = m + g * h.one_minus_beta1
+    v = v * h.beta2                              # v = beta2*v + (1-beta2)*g*g
+    v = v + (g * g) * h.one_minus_beta2
+    s = torch.sqrt(v)
+    d = s / h.bc2_sqrt + h.eps                   # denom = sqrt(v)/sqrt(bc2) + eps
+    p = p - h.step_size * (m / d)               # step_size = lr / bc1
+    item.master.copy_(p)
+    _store_moments(item, m, v, s)
+    if item.out is not None:
+        item.out.copy_(p)                        # copy_ rounds to nearest even

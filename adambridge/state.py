@@ -1,0 +1,148 @@
+"""Host-resident optimizer state per parameter: fp32 master, m and v in the chosen precision.
+
+The state of a parameter is a plain dict in ``optimizer.state[param]`` with torch's keys
+(``step``, ``exp_avg``, ``exp_avg_sq``) plus ``master`` and, for fp8, the block scales. All
+tensors are flat (1-D) and live in host memory; ranges of them (chunks, shards) are views.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import codecs
+from .codecs import FP8_BLOCK
+
+# Storage dtype of (exp_avg, exp_avg_sq) per precision; the dtype identifies the precision
+# of a saved state, which is how a checkpoint is converted on load.
+MOMENT_DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp8": (torch.float8_e4m3fn, torch.float8_e5m2),
+}
+# Bytes per parameter of master + moments (fp8 adds two fp32 scales per 128 elements).
+HOST_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 8.0, "fp8": 6.0 + 8.0 / FP8_BLOCK}
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@lru_cache(maxsize=None)
+def _libc() -> Optional[ctypes.CDLL]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back a large buffer with transparent huge pages (before first touch).
+
+    NOTE: without huge pages the update's reads fall from ~31 to ~22 GB/s on the
+    reference VM (DESIGN.md section 7); THP is often in 'madvise' mode, so we must ask.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    libc = _libc()
+    if libc is None or nbytes < 2 * _HUGE_PAGE:
+        return
+    start = tensor.data_ptr()
+    aligned = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    length = (start + nbytes - aligned) // _HUGE_PAGE * _HUGE_PAGE
+    if length > 0:
+        libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+
+
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised flat host tensor, huge-page advised when large."""
+    tensor = torch.empty(numel, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor
+
+
+def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return host_empty(numel, dtype).zero_()
+
+
+def new_state(master_source: torch.Tensor, precision: str, *, alias: bool) -> dict:
+    """Fresh state for a parameter about to receive its first update.
+
+    The master is taken from the parameter's values *now* (so weights loaded after the
+    optimizer was built are kept); with ``alias`` it is the parameter's own fp32 storage.
+    """
+    numel = master_source.numel()
+    if alias:
+        master = master_source.view(-1)
+    else:
+        master = host_empty(numel, torch.float32)
+        master.copy_(master_source.reshape(-1))
+    m_dtype, v_dtype = MOMENT_DTYPES[precision]
+    state = {
+        "step": torch.tensor(0.0),
+        "master": master,
+        "exp_avg": host_zeros(numel, m_dtype),
+        "exp_avg_sq": host_zeros(numel, v_dtype),
+    }
+    if precision == "fp8":
+        blocks = codecs.fp8_num_blocks(numel)
+        state["exp_avg_scale"] = torch.zeros(blocks)
+        state["exp_avg_sq_scale"] = torch.zeros(blocks)
+    return state
+
+
+def precision_of(state: dict) -> str:
+    """The precision a state was stored in, read from its moment dtypes."""
+    for name, dtypes in MOMENT_DTYPES.items():
+        if state["exp_avg"].dtype == dtypes[0]:
+            return name
+    raise ValueError(f"Invalid exp_avg dtype in optimizer state: {state['exp_avg'].dtype}")
+
+
+def decode_moments(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, v) as fp32, whatever the stored precision."""
+    precision = precision_of(state)
+    m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+    if precision == "fp8":
+        return (codecs.fp8_decode(m, state["exp_avg_scale"]),
+                codecs.fp8_decode_v(v, state["exp_avg_sq_scale"]))
+    return m.float(), v.float()
+
+
+def encode_moments(state: dict, m: torch.Tensor, v: torch.Tensor, precision: str) -> None:
+    """Store fp32 (m, v) into ``state`` in ``precision``, rounding to nearest (no SR).
+
+    Used to convert a state between precisions (checkpoint load, autotune step-down).
+    """
+    numel = m.numel()
+    m_dtype, v_dtype = MOMENT_DTYPES[precision]
+    state.pop("exp_avg_scale", None)
+    state.pop("exp_avg_sq_scale", None)
+    if precision == "fp8":
+        codes_m, scale_m = codecs.fp8_encode_m(m, None)
+        codes_s, scale_s = codecs.fp8_encode_sqrt_v(torch.sqrt(v), None)
+        state["exp_avg"], state["exp_avg_scale"] = codes_m, scale_m
+        state["exp_avg_sq"], state["exp_avg_sq_scale"] = codes_s, scale_s
+        return
+    state["exp_avg"] = host_empty(numel, m_dtype)
+    state["exp_avg"].copy_(m)
+    state["exp_avg_sq"] = host_empty(numel, v_dtype)
+    state["exp_avg_sq"].copy_(v)
+
+
+def convert_precision(state: dict, precision: str) -> None:
+    """Re-encode a state's moments in another precision, in place."""
+    if precision_of(state) == precision:
+        return
+    m, v = decode_moments(state)
+    encode_moments(state, m, v, precision)
+
+
+def state_bytes(state: dict) -> int:
+    """Host bytes held by one parameter's state (master, moments, scales)."""
+    keys = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+    return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)

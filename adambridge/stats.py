@@ -1,0 +1,29 @@
+"""StepStats: what one optimizer step cost, in seconds and bytes."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepStats:
+    """Timings (seconds) and traffic (bytes) of one step.
+
+    ``host_update_s``: time the host spent in the AdamW kernel; ``d2h_s`` / ``h2d_s``: time
+    spent copying gradients down and weights up (summed over copies); ``sync_wait_s``: how
+    long ``step_sync()`` (or ``step()``) waited for the host; ``wall_s``: from the first
+    gradient of the step to the end of ``step_sync()``; ``d2h_bytes`` / ``h2d_bytes``: bytes
+    moved each way; ``num_params`` / ``num_batches``: parameters updated and native calls made.
+    """
+
+    host_update_s: float = 0.0
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
+    sync_wait_s: float = 0.0
+    wall_s: float = 0.0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    num_params: int = 0
+    num_batches: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,48 @@
+"""Shared fixtures: the backends this machine can run, and a private kernel cache per session."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    # One private build cache for the whole run, unless the caller chose one.
+    if "ADAMBRIDGE_CACHE_DIR" not in os.environ:
+        os.environ["ADAMBRIDGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("adambridge-cache"))
+    yield
+
+
+def native_available() -> bool:
+    try:
+        from adambridge._native import loader
+    except ImportError:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return loader.native_or_none() is not None
+
+
+def available_backends() -> list:
+    backends = ["torch"]
+    if os.environ.get("ADAMBRIDGE_DISABLE_NATIVE") != "1":
+        backends.append("native")
+    return backends
+
+
+@pytest.fixture(params=available_backends())
+def backend(request):
+    if request.param == "native" and not native_available():
+        pytest.fail("the native kernel did not build on this machine; see "
+                    "`python -m adambridge info` (set ADAMBRIDGE_DISABLE_NATIVE=1 to test "
+                    "the torch backend alone)")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

@@ -1,8 +1,27 @@
-"""AutoTuneConfig and the tuner: thread count once, then moment precision step-down."""
+"""AutoTuneConfig and the tuner: thread count once, then moment precision step-down.
+
+Two decisions, each logged to ``opt.autotune_log`` as a TuneDecision with its reason:
+
+1. Threads (native backend, once per optimizer): time the kernel on a synthetic batch at
+   each candidate thread count and keep the fastest. In synchronous mode this is all the
+   tuner does (at the first ``step()``); it runs at ``attach_hooks()`` in asynchronous mode,
+   with the pool pinned to the device's NUMA node. The torch backend has nothing to tune.
+2. Precision (asynchronous mode only: it compares the host update with backward, which
+   only overlap there). After ``warmup_steps`` steps, if the median host update time exceeds
+   the median backward time, every state steps its moments down one level (fp32 -> bf16 ->
+   fp8, never below ``min_precision``); after ``warmup_steps`` more steps the change is kept
+   only if the host time fell, else the states are converted back. Then the tuner stops.
+   Converting back restores the precision, not the bits the lower precision rounded away.
+"""
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 PRECISION_LADDER = ("fp32", "bf16", "fp8")
 
@@ -30,3 +49,170 @@ class AutoTuneConfig:
             raise ValueError(f"Invalid min_precision: {self.min_precision!r} (valid: {listed})")
         if self.warmup_steps < 1:
             raise ValueError(f"Invalid warmup_steps: {self.warmup_steps} (expected >= 1)")
+
+
+_log = logging.getLogger("adambridge")
+_BENCH_NUMEL = 1 << 22  # elements per thread-count trial: past the L2, still a quick sweep
+
+
+@dataclass(frozen=True)
+class TuneDecision:
+    """One entry of ``opt.autotune_log``: ``kind`` is 'threads' or 'precision'."""
+
+    kind: str
+    action: str     # 'measured', 'chose', 'skipped', 'stepped_down', 'kept', 'reverted'
+    value: Any
+    reason: str
+
+
+def _record(log: list, decision: TuneDecision) -> None:
+    log.append(decision)
+    _log.info("autotune %s %s %s: %s", decision.kind, decision.action, decision.value,
+              decision.reason)
+
+
+def default_thread_candidates(max_threads: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below max_threads, then max_threads itself."""
+    counts, n = [], 1
+    while n < max_threads:
+        counts.append(n)
+        n *= 2
+    return tuple(counts + [max(1, max_threads)])
+
+
+def choose_threads(measure: Callable[[int], float], candidates: Sequence[int], log: list) -> int:
+    """The candidate with the smallest ``measure(n)`` (seconds), every trial logged."""
+    timings = {}
+    for n in candidates:
+        timings[n] = measure(n)
+        _record(log, TuneDecision("threads", "measured", n, f"{timings[n] * 1e3:.2f} ms per update"))
+    best = min(timings, key=timings.get)
+    _record(log, TuneDecision("threads", "chose", best, f"fastest of {sorted(timings)}"))
+    return best
+
+
+def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], float]:
+    """Seconds of one native update of ``numel`` synthetic elements (median of 3 after a warm-up)."""
+    from . import state as host_state
+    from .codecs import stream_key
+    from .functional import Hyper, UpdateItem, adamw_update
+    master = torch.randn(numel)
+    st = host_state.new_state(master, precision, alias=True)
+    grad = torch.randn(numel, dtype=torch.bfloat16)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    hyper = Hyper.for_step(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    item = UpdateItem(master=st["master"], grad=grad, exp_avg=st["exp_avg"],
+                      exp_avg_sq=st["exp_avg_sq"], exp_avg_scale=st.get("exp_avg_scale"),
+                      exp_avg_sq_scale=st.get("exp_avg_sq_scale"), out=out, offset=0,
+                      key=stream_key(0, 1, 0), precision=precision, stochastic_rounding=True,
+                      hyper=hyper)
+
+    def run() -> float:
+        adamw_update([item], "native")
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            adamw_update([item], "native")
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+    return run
+
+
+def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
+    """Decision 1 (see the module docstring); later calls do nothing."""
+    config = opt.autotune_config
+    if config is None or getattr(opt, "_threads_tuned", False):
+        return
+    opt._threads_tuned = True
+    log = opt.autotune_log
+    if not config.tune_threads:
+        return
+    if opt._resolve_backend() != "native":
+        _record(log, TuneDecision("threads", "skipped", None, "torch backend: nothing to tune "
+                                  "(torch.set_num_threads governs it)"))
+        return
+    if opt.num_threads is not None:
+        _record(log, TuneDecision("threads", "skipped", opt.num_threads,
+                                  "num_threads was set by the user"))
+        return
+    from . import topology
+    from ._native import loader
+    usable = tuple(cpus) or topology.allowed_cpus()
+    candidates = config.thread_candidates or default_thread_candidates(max(1, len(usable)))
+    timer = _kernel_timer(opt.precision)
+
+    def measure(n: int) -> float:
+        loader.set_num_threads(n, cpus)
+        return timer()
+    loader.set_num_threads(choose_threads(measure, candidates, log), cpus)
+
+
+class Tuner:
+    """Decision 2 (see the module docstring), fed one step at a time by the pipeline."""
+
+    def __init__(self, config: AutoTuneConfig, log: list) -> None:
+        self.config = config
+        self.log = log
+        self.phase = "observe" if config.tune_precision else "done"
+        self.samples: list[tuple[float, float]] = []
+        self.previous: Optional[str] = None
+        self.baseline_s = 0.0
+
+    def observe(self, precision: str, host_s: float, backward_s: float) -> Optional[str]:
+        """The precision to convert every state to now, or None."""
+        if self.phase == "done":
+            return None
+        self.samples.append((host_s, backward_s))
+        if len(self.samples) < self.config.warmup_steps:
+            return None
+        host = statistics.median(s[0] for s in self.samples)
+        backward = statistics.median(s[1] for s in self.samples)
+        self.samples = []
+        if self.phase == "trial":
+            return self._judge(precision, host)
+        self.phase = "done"
+        times = f"host update {host * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms"
+        if host <= backward:
+            _record(self.log, TuneDecision("precision", "kept", precision,
+                                           f"{times}: the update hides behind backward"))
+            return None
+        level = PRECISION_LADDER.index(precision)
+        floor = PRECISION_LADDER.index(self.config.min_precision)
+        if level >= floor:
+            _record(self.log, TuneDecision("precision", "kept", precision, f"{times}, but "
+                                           f"min_precision={self.config.min_precision!r}"))
+            return None
+        lower = PRECISION_LADDER[level + 1]
+        self.phase, self.previous, self.baseline_s = "trial", precision, host
+        _record(self.log, TuneDecision("precision", "stepped_down", lower,
+                                       f"{times}: trying {precision} -> {lower}"))
+        return lower
+
+    def _judge(self, precision: str, host: float) -> Optional[str]:
+        self.phase = "done"
+        change = f"host update {self.baseline_s * 1e3:.2f} -> {host * 1e3:.2f} ms"
+        if host < self.baseline_s:
+            _record(self.log, TuneDecision("precision", "kept", precision, f"{change}: it fell"))
+            return None
+        _record(self.log, TuneDecision("precision", "reverted", self.previous,
+                                       f"{change}: it did not fall"))
+        return self.previous
+
+    def after_step(self, pipeline: Any, stats: Any, backward_s: float) -> None:
+        opt = pipeline.opt
+        target = self.observe(opt.precision, stats.host_update_s, backward_s)
+        if target is not None:
+            convert_states(pipeline, target)
+
+
+def convert_states(pipeline: Any, precision: str) -> None:
+    """Re-encode every state's moments on its device's worker (NUMA-local), then switch."""
+    from .state import convert_precision
+    opt = pipeline.opt
+
+    def convert(device: torch.device, params: list) -> None:
+        for p in params:
+            if opt.state.get(p):
+                convert_precision(opt.state[p], precision)
+    pipeline.run_on_workers(convert)
+    opt._precision = precision

@@ -6,14 +6,16 @@ gradients into UpdateItems and hands them to ``functional.adamw_update`` in one 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 
 from . import _validation as check
 from . import checkpoint, state as host_state
-from .codecs import stream_key
+from .codecs import FP8_BLOCK, stream_key
 from .functional import Hyper, UpdateItem, adamw_update
+from .stats import StepStats
 
 # torch.optim.AdamW flags this optimizer does not implement: refused when truthy.
 UNSUPPORTED_TORCH_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
@@ -69,6 +71,7 @@ class AdamBridge(torch.optim.Optimizer):
         self._param_index: dict[torch.Tensor, int] = {}
         self._layout: dict[torch.Tensor, tuple[torch.Size, torch.dtype]] = {}
         self._writeback: dict[torch.Tensor, torch.Tensor] = {}
+        self._pipeline = None  # set by attach_hooks (asynchronous mode)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if self._backend_request == "native":
@@ -147,6 +150,7 @@ class AdamBridge(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient."""
+        self._check_sync_mode()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -184,18 +188,7 @@ class AdamBridge(torch.optim.Optimizer):
         return host_state.new_state(p.detach(), self._precision, alias=_can_alias_master(p))
 
     def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int) -> UpdateItem:
-        beta1, beta2 = group["betas"]
-        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                               weight_decay=group["weight_decay"], step=step)
-        if _can_alias_master(p):
-            state["master"] = p.detach().view(-1)  # follows p.data if it was replaced
-        return UpdateItem(
-            master=state["master"], grad=_host_grad(p), exp_avg=state["exp_avg"],
-            exp_avg_sq=state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
-            exp_avg_sq_scale=state.get("exp_avg_sq_scale"), out=self._out_buffer(p),
-            offset=0, key=stream_key(self.seed, step, self._param_index[p]),
-            precision=host_state.precision_of(state), stochastic_rounding=self.stochastic_rounding,
-            hyper=hyper)
+        return self._range_item(p, group, state, step, _host_grad(p), self._out_buffer(p), 0)
 
     def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""
@@ -215,6 +208,80 @@ class AdamBridge(torch.optim.Optimizer):
             return  # the kernel wrote into p directly
         source = state["master"] if p.dtype == torch.float32 else self._writeback[p]
         p.detach().copy_(source.view(p.shape))
+
+    # --- asynchronous mode (pipeline.py)
+
+    def attach_hooks(self, model: Optional[torch.nn.Module] = None) -> None:
+        """Update each parameter as soon as backward has produced its gradient.
+
+        Hooks go on ``model``'s parameters that this optimizer owns (all of them when
+        ``model`` is None); then ``loss.backward()`` drives the updates and ``step_sync()``
+        finishes the step. Parameters under ``small_param_threshold`` elements, and this
+        optimizer's parameters outside ``model``, get no hook: they are updated at
+        ``step_sync()``, one buffer each way. Global gradient clipping is impossible here
+        (the first layers update before the last gradients exist); use ``step()`` for it.
+        """
+        from . import pipeline
+        if self._pipeline is not None:
+            raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        pipeline.attach(self, model)
+
+    def detach_hooks(self) -> None:
+        """Back to synchronous use (``step()``); call ``step_sync()`` first if a step is running."""
+        if self._pipeline is not None:
+            self._pipeline.detach()
+            self._pipeline = None
+
+    def step_sync(self) -> StepStats:
+        """Wait for this step's updates; the device's current stream then sees the new weights.
+
+        Returns the step's StepStats (also ``opt.last_step_stats``). Re-raises any error of
+        the step (a bad gradient, a failed update) here; see adambridge/pipeline.py for what
+        the parameters and state are then.
+        """
+        if self._pipeline is None:
+            raise RuntimeError("step_sync() needs hooks: call opt.attach_hooks(model) first, "
+                               "or use opt.step() in synchronous mode")
+        return self._pipeline.sync()
+
+    def accumulate(self) -> ContextManager[None]:
+        """``with opt.accumulate(): loss.backward()`` adds to the gradients without updating.
+
+        The first backward outside the block then updates with the accumulated gradients.
+        In synchronous mode gradients accumulate anyway, so this is a no-op there.
+        """
+        return self._pipeline.accumulate() if self._pipeline is not None else nullcontext()
+
+    def _check_sync_mode(self) -> None:
+        if self._pipeline is not None:
+            raise RuntimeError("step() cannot run while hooks are attached: call "
+                               "opt.step_sync() after backward(), or opt.detach_hooks() first")
+        if self.autotune_config is not None:
+            from . import autotune
+            autotune.tune_threads_once(self)
+
+    def _range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
+                    grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:
+        """_update_item for elements [start, start + grad.numel()) of p, with given host views.
+
+        The state is sliced (fp8 scales per 128-block; start is a multiple of 128), and the
+        item's offset is ``start``, so a chunk draws the same rounding bits as the whole.
+        """
+        end = start + grad.numel()
+        beta1, beta2 = group["betas"]
+        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                               weight_decay=group["weight_decay"], step=step)
+        if _can_alias_master(p):
+            state["master"] = p.detach().view(-1)
+        first_block, end_block = start // FP8_BLOCK, -(-end // FP8_BLOCK)
+        scales = {k: state[k][first_block:end_block] if k in state else None
+                  for k in ("exp_avg_scale", "exp_avg_sq_scale")}
+        return UpdateItem(
+            master=state["master"][start:end], grad=grad, exp_avg=state["exp_avg"][start:end],
+            exp_avg_sq=state["exp_avg_sq"][start:end], **scales, out=out, offset=start,
+            key=stream_key(self.seed, step, self._param_index[p]),
+            precision=host_state.precision_of(state), stochastic_rounding=self.stochastic_rounding,
+            hyper=hyper)
 
     # ------------------------------------------------------------------ checkpoints
 

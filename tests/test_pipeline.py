@@ -1,0 +1,523 @@
+"""Asynchronous mode (pipeline.py) on the CPU: equal to step() bit for bit, the schedule, faults."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from adambridge import AdamBridge, StepStats
+from adambridge import pipeline
+from adambridge.transport import HostTransport
+
+RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3
+
+
+class Net(nn.Module):
+    """Sizes chosen to exercise every path at chunk_size=256, small_param_threshold=64:
+    w1 (960) and scale (300) are chunked, the last chunk short and not a multiple of 128;
+    wt is a non-contiguous (transposed) leaf; biases and the norm are grouped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(24, 40)
+        self.norm = nn.LayerNorm(40)
+        self.wt = nn.Parameter(torch.randn(17, 40).t() * 0.2)
+        self.w2 = nn.Linear(17, 5)
+        self.scale = nn.Parameter(torch.randn(300))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.nn.functional.gelu(self.w1(x)))
+        return self.w2(h @ self.wt.to(h.dtype)), (self.scale.float() ** 2).sum() * 1e-3
+
+
+def _loss(model: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out, reg = model(x.to(model.w1.weight.dtype))
+    return ((out.float() - y) ** 2).mean() + reg
+
+
+def _batches(steps: int, micro: int):
+    gen = torch.Generator().manual_seed(3)
+    return [[(torch.randn(8, 24, generator=gen), torch.randn(8, 5, generator=gen))
+             for _ in range(micro)] for _ in range(steps)]
+
+
+def _train(config: dict, backend: str, hooks: bool):
+    torch.manual_seed(0)
+    model = Net().to(config.get("param_dtype", torch.float32))
+    opt = AdamBridge(model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
+                     **config["opt"])
+    if hooks:
+        opt.attach_hooks(model)
+    for micro_batches in _batches(config.get("steps", 4), config.get("micro", 1)):
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with (opt.accumulate() if hooks and not last else _nothing()):
+                _loss(model, x, y).backward()
+        if hooks:
+            stats = opt.step_sync()
+            assert stats is opt.last_step_stats
+        else:
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+EQUIVALENCE = [
+    dict(desc="fp32 moments, chunks of 256, small params grouped",
+         opt=dict(precision="fp32", chunk_size=256, small_param_threshold=64)),
+    dict(desc="bf16 moments, chunks of 256", opt=dict(precision="bf16", chunk_size=256,
+                                                      small_param_threshold=64)),
+    dict(desc="fp8 moments, chunks of 256 (scales sliced per block)",
+         opt=dict(precision="fp8", chunk_size=256, small_param_threshold=64)),
+    dict(desc="fp8 moments, no chunks, no grouping", opt=dict(precision="fp8",
+                                                              small_param_threshold=0)),
+    dict(desc="bf16 moments, 3 accumulated micro-batches, grads kept", micro=3,
+         opt=dict(precision="bf16", chunk_size=256, small_param_threshold=64,
+                  release_grads=False)),
+    dict(desc="bf16 params, write-back at step_sync", param_dtype=torch.bfloat16,
+         opt=dict(precision="fp32", chunk_size=256, small_param_threshold=64,
+                  overlap_writeback=False)),
+]
+
+
+def _assert_same_state(opt_a, opt_b, params_a, params_b):
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(sa[key].float(), sb[key].float()), key
+
+
+@pytest.mark.parametrize("config", EQUIVALENCE, ids=lambda c: c["desc"])
+def test_hooks_equal_step_bit_for_bit(config, backend):
+    sync_model, sync_opt = _train(config, backend, hooks=False)
+    async_model, async_opt = _train(config, backend, hooks=True)
+    _assert_same_state(async_opt, sync_opt, list(async_model.parameters()),
+                       list(sync_model.parameters()))
+
+
+def test_hooks_fp32_match_torch_adamw_per_element(backend):
+    # The loss is linear in each parameter, so gradients do not depend on the weights and
+    # both optimizers see identical inputs (the comparison measures only the arithmetic).
+    shapes = [(4097,), (33, 31), (15,), (1,)]
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    # Gradients below 0.5, so moments stay where 1 ulp < atol (as in test_optimizer.py).
+    grads = [[torch.randn(s, generator=gen) * 10.0 ** -k for s, k in zip(shapes, (1, 2, 4, 1))]
+             for _ in range(30)]
+    ref = [nn.Parameter(t.clone()) for t in init]
+    ours = [nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05)
+    opt = AdamBridge(ours, lr=1e-2, weight_decay=0.05, backend=backend, chunk_size=1024,
+                     small_param_threshold=16)
+    holder = nn.ParameterList(ours)
+    opt.attach_hooks(holder)
+    for g in grads:
+        sum((p * gp).sum() for p, gp in zip(ours, g)).backward()
+        opt.step_sync()
+        for p, gp in zip(ref, g):
+            p.grad = gp.clone()
+        ref_opt.step()
+    for p, q in zip(ref, ours):
+        torch.testing.assert_close(q, p, rtol=RTOL, atol=ATOL)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[q][key].view(q.shape), ref_opt.state[p][key],
+                                       rtol=RTOL, atol=ATOL)
+
+
+def test_detach_hooks_returns_to_step_and_stats_are_filled():
+    torch.manual_seed(0)
+    model = Net()
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=64)
+    opt.attach_hooks(model)
+    x, y = torch.randn(8, 24), torch.randn(8, 5)
+    _loss(model, x, y).backward()
+    stats = opt.step_sync()
+    assert isinstance(stats, StepStats) and stats.num_params == 8
+    assert stats.wall_s >= stats.sync_wait_s >= 0 and stats.host_update_s > 0
+    with pytest.raises(RuntimeError, match=r"step\(\) cannot run while hooks are attached.*step_sync"):
+        opt.step()
+    opt.detach_hooks()
+    with pytest.raises(RuntimeError, match=r"step_sync\(\) needs hooks: call opt.attach_hooks"):
+        opt.step_sync()
+    opt.zero_grad()
+    _loss(model, x, y).backward()
+    opt.step()
+    assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
+    opt.attach_hooks(model)
+    opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))]))
+    with pytest.raises(RuntimeError, match=r"added after attach_hooks.*detach_hooks\(\), then"):
+        opt.step_sync()
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+class SlowTicket:
+    def __init__(self, lands_at: float) -> None:
+        self.lands_at = lands_at
+
+    def ready(self) -> bool:
+        return time.perf_counter() >= self.lands_at
+
+    def wait(self) -> None:
+        while not self.ready():
+            time.sleep(max(0.0, self.lands_at - time.perf_counter()))
+
+
+class SlowTransport(HostTransport):
+    """Host transport whose copies take ``latency`` each, one after another like a stream."""
+
+    def __init__(self, device, latency: float, events: list) -> None:
+        super().__init__(device)
+        self.latency, self.events, self.busy_until = latency, events, 0.0
+
+    def grad_to_host(self, p, grad, ranges, with_values):
+        flat, _ = super().grad_to_host(p, grad, ranges, with_values)
+        tickets = []
+        for start, _end in ranges:
+            self.busy_until = max(time.perf_counter(), self.busy_until) + self.latency
+            self.events.append(("land", id(p), start, self.busy_until))
+            tickets.append(SlowTicket(self.busy_until))
+        return flat, tickets
+
+    def to_device(self, p, start, end):
+        self.events.append(("h2d", id(p), start, time.perf_counter()))
+        super().to_device(p, start, end)
+
+
+def _scheduled(monkeypatch, model, *, latency, kernel_s=0.0, **opt_args):
+    events: list = []
+    real = pipeline.adamw_update
+
+    def recording_update(items, backend):
+        began = time.perf_counter()
+        if kernel_s:
+            time.sleep(kernel_s)
+        real(items, backend)
+        events.append(("batch", [(id(i.master.untyped_storage()), i.offset) for i in items],
+                       began, time.perf_counter()))
+
+    monkeypatch.setattr(pipeline, "adamw_update", recording_update)
+    opt = AdamBridge(model.parameters(), backend="torch", **opt_args)
+    pipeline.attach(opt, model, make_transport=lambda d: SlowTransport(d, latency, events))
+    return opt, events
+
+
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.02)
+        return grad
+
+
+def test_schedule_updates_run_while_backward_runs(monkeypatch):
+    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+    opt, events = _scheduled(monkeypatch, layers, latency=0.001, small_param_threshold=0)
+    x = torch.randn(4, 16)
+
+    def backward():
+        h = x
+        for layer in layers:
+            h = SlowBackward.apply(torch.tanh(layer(h)))
+        h.sum().backward()
+
+    backward()
+    opt.step_sync()  # the first step is held until step_sync; watch the second
+    events.clear()
+    backward()
+    backward_done = time.perf_counter()
+    opt.step_sync()
+    batches = [e for e in events if e[0] == "batch"]
+    assert len([b for b in batches if b[3] < backward_done]) >= 2, batches
+
+
+class ManualTransport(HostTransport):
+    """Copies land only when the test says so (``land(n)``: the first n copies ever made)."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.made, self.landed = 0, 0
+        self.cond = threading.Condition()
+
+    def land(self, n: int) -> None:
+        with self.cond:
+            self.landed = n
+            self.cond.notify_all()
+
+    def grad_to_host(self, p, grad, ranges, with_values):
+        flat, _ = super().grad_to_host(p, grad, ranges, with_values)
+        tickets = []
+        for _ in ranges:
+            tickets.append(ManualTicket(self, self.made))
+            self.made += 1
+        return flat, tickets
+
+
+class ManualTicket:
+    def __init__(self, transport: ManualTransport, number: int) -> None:
+        self.transport, self.number = transport, number
+
+    def ready(self) -> bool:
+        return self.number < self.transport.landed
+
+    def wait(self) -> None:
+        with self.transport.cond:
+            assert self.transport.cond.wait_for(self.ready, timeout=10)
+
+
+def test_schedule_batches_grow_under_load(monkeypatch):
+    # While the kernel is busy with the first landed gradient, the other 23 land: the
+    # worker then takes all of them in one call.
+    layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(12)))
+    opt = AdamBridge(layers.parameters(), backend="torch", small_param_threshold=0)
+    transports = []
+    pipeline.attach(opt, layers, make_transport=lambda d: transports.append(ManualTransport(d))
+                    or transports[-1])
+    transport, x = transports[0], torch.randn(2, 8)
+    transport.land(10**9)
+    layers(x).sum().backward()
+    opt.step_sync()  # the first step is held; watch the second
+    real, sizes = pipeline.adamw_update, []
+    in_kernel, gate = threading.Event(), threading.Event()
+
+    def gated_update(items, backend):
+        sizes.append(len(items))
+        in_kernel.set()
+        assert gate.wait(timeout=10)
+        real(items, backend)
+
+    monkeypatch.setattr(pipeline, "adamw_update", gated_update)
+    first = transport.made
+    transport.land(first)
+    layers(x).sum().backward()
+    transport.land(first + 1)     # one copy lands; the worker starts updating it
+    assert in_kernel.wait(timeout=10)
+    transport.land(first + 24)    # the rest land while the kernel is busy
+    gate.set()
+    stats = opt.step_sync()
+    assert sizes == [1, 23] and stats.num_batches == 2 and stats.num_params == 24
+
+
+def test_schedule_chunks_overlap_copies_and_updates(monkeypatch):
+    holder = nn.ParameterList([nn.Parameter(torch.randn(4096))])
+    opt, events = _scheduled(monkeypatch, holder, latency=0.01, chunk_size=512,
+                             small_param_threshold=0)
+    for _ in range(2):
+        events.clear()
+        (holder[0] ** 2).sum().backward()
+        opt.step_sync()
+    lands = sorted(e[3] for e in events if e[0] == "land")
+    batches = [e for e in events if e[0] == "batch"]
+    h2d = sorted(e[3] for e in events if e[0] == "h2d")
+    offsets = [offset for b in batches for _, offset in b[1]]
+    assert len(lands) == 8 and sorted(offsets) == list(range(0, 4096, 512))
+    assert len(batches) >= 2, batches
+    assert batches[0][2] < lands[-1]   # chunk 0 is updated while later chunks still copy
+    assert len(h2d) == 8 and h2d[0] < batches[-1][2]  # ... and sent back before the last update
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _snapshot(opt, params):
+    return ([p.detach().clone() for p in params],
+            [{k: v.clone() for k, v in opt.state.get(p, {}).items()} for p in params])
+
+
+def _assert_unchanged(opt, params, snapshot):
+    values, states = snapshot
+    for p, value, st in zip(params, values, states):
+        assert torch.equal(p, value)
+        assert opt.state.get(p, {}).keys() == st.keys()  # no state made, none changed
+        for key in st:
+            assert torch.equal(opt.state[p][key].float(), st[key].float())
+
+
+def test_fault_sparse_gradient_on_first_step_changes_nothing():
+    emb = nn.Embedding(50, 8, sparse=True)
+    dense = nn.Linear(8, 8)
+    model = nn.ModuleDict(dict(emb=emb, dense=dense))
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    params = list(model.parameters())
+    before = _snapshot(opt, params)
+    dense(emb(torch.tensor([1, 2, 3]))).sum().backward()
+    with pytest.raises(RuntimeError, match=r"sparse gradients are not supported.*no parameter "
+                                           r"or optimizer state was changed"):
+        opt.step_sync()
+    _assert_unchanged(opt, params, before)
+
+
+def test_fault_replaced_parameter_fails_before_any_update():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    opt.step_sync()
+    params = list(model.parameters())
+    model[0].weight.data = torch.randn(4, 8)  # the same Parameter, a new shape
+    before = _snapshot(opt, params)
+    model[1](torch.randn(2, 8)).sum().backward()
+    with pytest.raises(ValueError, match=r"Parameter 0 changed from \(8, 8\).*no parameter"):
+        opt.step_sync()
+    _assert_unchanged(opt, params, before)
+
+
+def test_fault_in_kernel_is_raised_by_step_sync_with_what_was_updated(monkeypatch):
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+    # Copies 20 ms apart: one parameter per batch, so the failure comes after earlier updates.
+    opt, _ = _scheduled(monkeypatch, model, latency=0.02, small_param_threshold=0)
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    opt.step_sync()
+    real, first = pipeline.adamw_update, model[0].weight
+
+    def failing(items, backend):
+        if any(i.master.data_ptr() == first.data_ptr() for i in items):
+            raise MemoryError("simulated")
+        real(items, backend)
+
+    monkeypatch.setattr(pipeline, "adamw_update", failing)
+    params = list(model.parameters())
+    before = _snapshot(opt, params)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"update worker for cpu failed \(MemoryError: "
+                                           r"simulated\); this step had already updated"):
+        opt.step_sync()
+    stepped = [int(opt.state[p]["step"]) for p in params]
+    assert stepped[0] == 1 and stepped[-1] == 2  # each parameter took the step, or not
+    untouched = [i for i, s in enumerate(stepped) if s == 1]
+    _assert_unchanged(opt, [params[i] for i in untouched],
+                      ([before[0][i] for i in untouched], [before[1][i] for i in untouched]))
+    monkeypatch.setattr(pipeline, "adamw_update", real)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step_sync()  # the pipeline is usable again after a failed step
+
+
+def test_fault_second_backward_without_accumulate_is_a_clear_error():
+    model = nn.Linear(8, 8)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"second gradient before step_sync.*opt.accumulate"):
+        model(torch.randn(2, 8)).sum().backward()
+    opt.step_sync()
+
+
+def test_worker_exits_when_optimizer_is_collected():
+    model = nn.Linear(8, 8)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step_sync()
+    threads = [lane.thread for lane in opt._pipeline.lanes.values()]
+    del opt
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    model(torch.randn(2, 8)).sum().backward()  # the hooks are gone or inert
+
+
+def test_ctrl_c_during_backward_does_not_hang(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch
+        from adambridge import AdamBridge
+
+        class Interrupt(torch.autograd.Function):
+            forward = staticmethod(lambda ctx, x: x.view_as(x))
+            @staticmethod
+            def backward(ctx, grad):
+                os.kill(os.getpid(), signal.SIGINT)
+                return grad
+
+        model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+        opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+        opt.attach_hooks(model)
+        h = model[1](Interrupt.apply(model[0](torch.randn(2, 64))))
+        model[3](model[2](h)).sum().backward()
+        opt.step_sync()
+    """))
+    env = dict(os.environ, ADAMBRIDGE_DISABLE_NATIVE="1")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
+
+
+# --------------------------------------------------------------------------- NUMA
+
+
+def _fake_sysfs(root, nodes: dict, gpu_node: int):
+    for index, cpulist in nodes.items():
+        node = root / "sys/devices/system/node" / f"node{index}"
+        node.mkdir(parents=True)
+        (node / "cpulist").write_text(cpulist + "\n")
+    device = root / "sys/bus/pci/devices/0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text(f"{gpu_node}\n")
+
+
+def test_numa_worker_cpus_come_from_the_gpus_node(tmp_path, monkeypatch):
+    from adambridge import topology
+    _fake_sysfs(tmp_path, {0: "0-3", 1: "4-7"}, gpu_node=1)
+    monkeypatch.setattr(topology, "cuda_pci_bus_id", lambda index: "0000:3B:00.0")
+    monkeypatch.setattr(topology, "allowed_cpus", lambda: tuple(range(8)))
+    cuda0 = torch.device("cuda", 0)
+    assert pipeline.worker_cpus(cuda0, True, root=str(tmp_path)) == (4, 5, 6, 7)
+    assert pipeline.worker_cpus(cuda0, False, root=str(tmp_path)) == ()
+    assert pipeline.worker_cpus(torch.device("cpu"), True, root=str(tmp_path)) == ()
+    monkeypatch.setattr(topology, "cuda_pci_bus_id", lambda index: None)
+    assert pipeline.worker_cpus(cuda0, True, root=str(tmp_path)) == ()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
+def test_numa_worker_thread_pins_itself_and_first_touches_state():
+    cpu = min(os.sched_getaffinity(0))
+    lane = pipeline.Lane(HostTransport(torch.device("cpu")), backend="torch",
+                         overlap_writeback=True, cpus=(cpu,))
+    seen = {}
+    lane.wait(lane.call(lambda: seen.update(cpus=os.sched_getaffinity(0),
+                                            thread=threading.current_thread())))
+    lane.stop()
+    assert seen["cpus"] == {cpu} and seen["thread"] is lane.thread
+    assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1
+
+
+def test_numa_native_pool_is_pinned_to_the_workers_node(monkeypatch):
+    from adambridge._native import loader
+    configured = []
+    monkeypatch.setattr(pipeline, "worker_cpus", lambda device, numa_aware: (0,) if numa_aware else ())
+    monkeypatch.setattr(loader, "set_num_threads", lambda n, cpus=(): configured.append((n, cpus)))
+    model = nn.Linear(4, 4)
+    for numa_aware, expected in ((True, [(1, (0,))]), (False, [])):
+        configured.clear()
+        opt = AdamBridge(model.parameters(), backend="torch", numa_aware=numa_aware)
+        monkeypatch.setattr(opt, "_resolve_backend", lambda: "native")
+        pipeline.attach(opt, model)
+        opt.detach_hooks()
+        assert configured == expected

@@ -1,0 +1,325 @@
+"""Loading the native library with ctypes: prototypes, the ABI check, the ISA and thread pool knobs.
+
+``load()`` builds on first use (see build.py) and returns a ``Native`` whose ctypes functions
+all have argtypes and restype set. ``native_or_none()`` is what backends call: it returns None,
+after one warning per process, when no compiler works, so the caller falls back to torch.
+
+Environment:
+  ADAMBRIDGE_DISABLE_NATIVE=1   never load the library (the torch backend is used)
+  ADAMBRIDGE_ISA=scalar|avx2|avx512|neon   force one instruction set (ab_set_isa)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import warnings
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_int64, c_uint32, c_uint64, c_void_p
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import build
+from .build import INFO_HINT, NativeBuildError
+
+ISA_NAMES = ("scalar", "avx2", "avx512", "neon")  # index = enum ab_isa
+AB_ETHREAD = -4
+
+
+class AbHyper(ctypes.Structure):
+    """struct ab_hyper (adambridge.h)."""
+    _fields_ = [("beta1", c_float), ("beta2", c_float), ("one_minus_beta1", c_float),
+                ("one_minus_beta2", c_float), ("decay", c_float), ("step_size", c_float),
+                ("bc2_sqrt", c_float), ("eps", c_float)]
+
+
+class AbTensor(ctypes.Structure):
+    """struct ab_tensor (adambridge.h): one contiguous range of one parameter."""
+    _fields_ = [("param", c_void_p), ("grad", c_void_p), ("exp_avg", c_void_p),
+                ("exp_avg_sq", c_void_p), ("exp_avg_scale", c_void_p),
+                ("exp_avg_sq_scale", c_void_p), ("out", c_void_p), ("n", c_int64),
+                ("offset", c_int64), ("key", c_uint32), ("grad_dtype", c_int32),
+                ("out_dtype", c_int32), ("precision", c_int32),
+                ("stochastic_rounding", c_int32), ("reserved", c_int32), ("hyper", AbHyper)]
+
+
+AB_TASK_FN = ctypes.CFUNCTYPE(None, c_void_p, c_int)
+
+# Every AB_API function of adambridge.h: name -> (restype, argtypes).
+PROTOTYPES = {
+    "ab_abi_version": (c_int, ()),
+    "ab_adamw_update": (c_int, (POINTER(AbTensor), c_int64)),
+    "ab_mix32": (c_uint32, (c_uint32,)),
+    "ab_hash": (c_uint32, (c_uint32, c_uint64)),
+    "ab_isa_detected": (c_int, ()),
+    "ab_isa_compiled": (c_int, (c_int,)),
+    "ab_isa_supported": (c_int, (c_int,)),
+    "ab_isa_active": (c_int, ()),
+    "ab_set_isa": (c_int, (c_int,)),
+    "ab_isa_name": (c_char_p, (c_int,)),
+    "ab_pool_configure": (c_int, (c_int, POINTER(c_int), c_int)),
+    "ab_pool_threads": (c_int, ()),
+    "ab_pool_run": (c_int, (AB_TASK_FN, c_void_p)),
+    "ab_first_touch": (c_int, (c_void_p, c_int64)),
+    "ab_l2_cache_bytes": (c_int64, ()),
+    "ab_strerror": (c_char_p, (c_int,)),
+}
+
+
+class Native:
+    """The loaded library: ``lib`` is the ctypes.CDLL with every prototype set."""
+
+    def __init__(self, lib: ctypes.CDLL, built: build.Built):
+        for name, (restype, argtypes) in PROTOTYPES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise NativeBuildError(f"{built.path} does not export {name}: the csrc/ sources are "
+                                       f"incomplete or do not match adambridge.h; reinstall adambridge; "
+                                       f"{INFO_HINT}.") from None
+            fn.restype, fn.argtypes = restype, argtypes
+        self.lib, self.built, self.path = lib, built, built.path
+
+    def check(self, status: int, what: str) -> None:
+        """Raise RuntimeError for a negative AB_E* status."""
+        if status != 0:
+            reason = self.lib.ab_strerror(status).decode(errors="replace")
+            raise RuntimeError(f"adambridge native {what} failed: {reason} (status {status}); {INFO_HINT}.")
+
+    def adamw_update(self, tensors: "ctypes.Array[AbTensor]") -> None:
+        """One multi-tensor call; the GIL is released while it runs."""
+        self.check(self.lib.ab_adamw_update(tensors, len(tensors)), "ab_adamw_update")
+
+    def isa_name(self, isa: int) -> str:
+        return self.lib.ab_isa_name(isa).decode()
+
+    def isas(self, test) -> tuple[str, ...]:
+        return tuple(name for i, name in enumerate(ISA_NAMES) if test(i))
+
+
+def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) -> tuple[ctypes.CDLL, build.Built]:
+    """CDLL of the built library; a cached file that fails to load is deleted and rebuilt once."""
+    built = build.build(src_dir, cache_dir)
+    seen = os.stat(built.path)
+    try:
+        return ctypes.CDLL(str(built.path)), built
+    except OSError as exc:
+        if built.fresh:
+            raise _unloadable(built, exc) from exc
+        build._warn_once("corrupt-cache", f"adambridge could not load its cached library {built.path} "
+                         f"({exc}); it deletes it and builds it again.")
+    built = build.build(src_dir, cache_dir, broken=(built.path, seen))
+    try:
+        return ctypes.CDLL(str(built.path)), built
+    except OSError as exc:
+        raise _unloadable(built, exc) from exc
+
+
+def _unloadable(built: build.Built, exc: OSError) -> NativeBuildError:
+    return NativeBuildError(f"adambridge built {built.path} but cannot load it ({exc}). Check that the "
+                            f"compiler targets this Python's architecture, or set ADAMBRIDGE_CC; {INFO_HINT}.")
+
+
+def forced_isa() -> Optional[str]:
+    """The ISA that ADAMBRIDGE_ISA names, None when unset; ValueError for an unknown name."""
+    value = os.environ.get("ADAMBRIDGE_ISA", "").strip()
+    if not value:
+        return None
+    if value.lower() not in ISA_NAMES:
+        raise ValueError(f"ADAMBRIDGE_ISA={value!r} is not an instruction set; valid: {', '.join(ISA_NAMES)}")
+    return value.lower()
+
+
+def native_disabled() -> bool:
+    return os.environ.get("ADAMBRIDGE_DISABLE_NATIVE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+_load_lock = threading.Lock()
+
+
+def load() -> Native:
+    """The native library, built on first call. Raises NativeBuildError or ValueError (ISA)."""
+    with _load_lock:  # one build and one ab_set_isa when several threads start at once
+        return _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> Native:
+    if native_disabled():
+        raise NativeBuildError("the adambridge native kernel is disabled by ADAMBRIDGE_DISABLE_NATIVE; "
+                               f"unset it to use the native backend; {INFO_HINT}.")
+    forced = forced_isa()  # a bad name fails before any build
+    lib, built = _dlopen()
+    native = Native(lib, built)
+    expected = build.abi_version()
+    if lib.ab_abi_version() != expected:
+        raise NativeBuildError(f"{built.path} has ABI version {lib.ab_abi_version()}, this adambridge "
+                               f"needs {expected}; delete {build.cache_root()} and retry; {INFO_HINT}.")
+    isa = ISA_NAMES.index(forced) if forced else lib.ab_isa_detected()
+    if lib.ab_set_isa(isa) != 0:
+        supported = ", ".join(native.isas(lib.ab_isa_supported))
+        raise ValueError(f"ADAMBRIDGE_ISA={forced!r} is not supported here (the CPU lacks it or it is "
+                         f"not compiled in); supported: {supported}")
+    return native
+
+
+_unavailable: list = []  # the NativeBuildError that made native_or_none() return None
+
+
+def native_or_none() -> Optional[Native]:
+    """load(), or None (one warning per process) when the native backend cannot be had.
+
+    ADAMBRIDGE_DISABLE_NATIVE gives None without a warning. A bad ADAMBRIDGE_ISA still raises:
+    that is the user's setting to fix, not a reason to run slower.
+    """
+    if native_disabled() or _unavailable:
+        return None
+    try:
+        return load()
+    except NativeBuildError as exc:
+        _unavailable.append(exc)
+        warnings.warn(f"{exc} Falling back to the torch backend.", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why native_or_none() returned None, if it did."""
+    if native_disabled():
+        return "disabled by ADAMBRIDGE_DISABLE_NATIVE"
+    return str(_unavailable[0]) if _unavailable else None
+
+
+def reset() -> None:
+    """Forget every per-process memo (for tests that change the environment)."""
+    _load.cache_clear()
+    _unavailable.clear()
+    build._warned.clear()
+    build._compilers.clear()
+    build._private.clear()
+
+
+# -- the multi-tensor update (functional.adamw_update(backend="native") lands here) ------------
+
+_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}                 # enum ab_dtype
+_PRECISIONS = {"fp32": (0, 4, 4), "bf16": (1, 2, 2), "fp8": (2, 1, 1)}  # enum, m and v bytes
+
+
+def _pointer(t, name: str, n: int, itemsize: int) -> int:
+    """t's data address after checking that the kernel may read n elements of itemsize there."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n or t.element_size() != itemsize:
+        raise ValueError(f"Invalid {name}: the native kernel needs a contiguous CPU tensor of {n} "
+                         f"elements of {itemsize} bytes, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+def _dtype_code(t, name: str) -> int:
+    code = _DTYPES.get(str(t.dtype).replace("torch.", ""))
+    if code is None:
+        raise ValueError(f"Invalid {name} dtype: {t.dtype} (valid: float32, bfloat16, float16)")
+    return code
+
+
+def _ab_tensor(item) -> AbTensor:
+    """The struct for one functional.UpdateItem, every pointer checked against its length."""
+    n = item.master.numel()
+    precision, m_size, v_size = _PRECISIONS[item.precision]
+    t = AbTensor(n=n, offset=item.offset, key=item.key & 0xFFFFFFFF, precision=precision,
+                 stochastic_rounding=int(bool(item.stochastic_rounding)),
+                 hyper=AbHyper(*(getattr(item.hyper, f) for f, _ in AbHyper._fields_)))
+    t.param = _pointer(item.master, "master", n, 4)
+    t.grad_dtype = _dtype_code(item.grad, "grad")
+    t.grad = _pointer(item.grad, "grad", n, item.grad.element_size())
+    t.exp_avg = _pointer(item.exp_avg, "exp_avg", n, m_size)
+    t.exp_avg_sq = _pointer(item.exp_avg_sq, "exp_avg_sq", n, v_size)
+    if item.precision == "fp8":
+        blocks = (n + 127) // 128
+        t.exp_avg_scale = _pointer(item.exp_avg_scale, "exp_avg_scale", blocks, 4)
+        t.exp_avg_sq_scale = _pointer(item.exp_avg_sq_scale, "exp_avg_sq_scale", blocks, 4)
+    t.out_dtype = 3 if item.out is None else _dtype_code(item.out, "out")
+    if item.out is not None:
+        t.out = _pointer(item.out, "out", n, item.out.element_size())
+    return t
+
+
+def update(items) -> None:
+    """AdamW on every functional.UpdateItem in one native call (raises if native is unavailable)."""
+    native = load()
+    tensors = (AbTensor * len(items))(*(_ab_tensor(item) for item in items))
+    native.adamw_update(tensors)
+
+
+# -- the public knobs (each is None / empty / a no-op on the torch backend) -----------------------
+
+def backend_name() -> str:
+    native = native_or_none()
+    return f"native/{isa_name()}" if native is not None else "torch"
+
+
+def isa_name() -> Optional[str]:
+    native = native_or_none()
+    return native.isa_name(native.lib.ab_isa_active()) if native else None
+
+
+def detected_isa() -> Optional[str]:
+    native = native_or_none()
+    return native.isa_name(native.lib.ab_isa_detected()) if native else None
+
+
+def compiled_isas() -> tuple[str, ...]:
+    native = native_or_none()
+    return native.isas(native.lib.ab_isa_compiled) if native else ()
+
+
+def supported_isas() -> tuple[str, ...]:
+    native = native_or_none()
+    return native.isas(native.lib.ab_isa_supported) if native else ()
+
+
+def set_num_threads(n: int, cpus: Optional[Sequence[int]] = None) -> bool:
+    """Size the native pool to n threads (n <= 0: one per CPU), pinned round-robin to cpus.
+
+    Returns False, changing nothing, on the torch backend (torch.set_num_threads governs it).
+    """
+    native = native_or_none()
+    if native is None:
+        return False
+    cpus = list(cpus or ())
+    array = (c_int * len(cpus))(*cpus) if cpus else None
+    native.check(native.lib.ab_pool_configure(int(n), array, len(cpus)), f"ab_pool_configure({n}, {cpus})")
+    return True
+
+
+def num_threads() -> int:
+    native = native_or_none()
+    if native is None:
+        import torch
+        return torch.get_num_threads()
+    return native.lib.ab_pool_threads()
+
+
+def l2_cache_bytes() -> int:
+    """L2 size from cpuid (native), else from sysfs; 0 when unknown."""
+    native = native_or_none()
+    found = native.lib.ab_l2_cache_bytes() if native else 0
+    if found <= 0:
+        from .. import topology
+        found = topology.l2_cache_bytes()
+    return int(found)
+
+
+def library_path() -> Optional[Path]:
+    native = native_or_none()
+    return native.path if native else None
+
+
+def compiler_description() -> str:
+    try:
+        return build.find_compiler().describe()
+    except build.NoCompilerError:
+        return "none found"
+
+
+def dropped_isas() -> dict:
+    """{isa: why} for the ISAs this build left out (other architecture, compiler too old)."""
+    native = native_or_none()
+    return dict(native.built.dropped) if native else {}

@@ -1,0 +1,408 @@
+/* kernel_avx2.c: the fused AdamW update, 8 lanes of AVX2 (+F16C for fp16).
+ *
+ * Contract: exactly kernel_scalar.c, bit for bit (docs/numerics.md), 8 elements at a time.
+ * Every math line below carries the scalar line it implements. No FMA: every multiply and add
+ * rounds separately (codecs.h turns contraction off even without -ffp-contract=off).
+ * Tails (fewer than 8 elements) run the scalar code from codecs.h. Loads and stores are
+ * unaligned; only the write-only `out` stream may use non-temporal stores.
+ *
+ * Flags when compiled alone: -mavx2 -mfma -mf16c. The target pragma below lets the file also
+ * compile inside the unity build of tests/native/selftest.c with no flags at all.
+ * Reference: https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html
+ */
+#include "codecs.h"
+
+#if defined(AB_HAVE_AVX2)
+
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+/* The per-tensor scalars, broadcast once per call. */
+typedef struct {
+    __m256 decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+} avx2_hyper;
+
+static void avx2_hyper_init(avx2_hyper *h, const ab_hyper *s)
+{
+    h->decay = _mm256_set1_ps(s->decay);
+    h->beta1 = _mm256_set1_ps(s->beta1);
+    h->omb1 = _mm256_set1_ps(s->one_minus_beta1);
+    h->beta2 = _mm256_set1_ps(s->beta2);
+    h->omb2 = _mm256_set1_ps(s->one_minus_beta2);
+    h->bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt);
+    h->eps = _mm256_set1_ps(s->eps);
+    h->step_size = _mm256_set1_ps(s->step_size);
+}
+
+/* Section 1 on 8 lanes; returns s = sqrt(v). */
+AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m, __m256 *v)
+{
+    /* p = p * decay */
+    *p = _mm256_mul_ps(*p, h->decay);
+    /* m = m * beta1_f */
+    *m = _mm256_mul_ps(*m, h->beta1);
+    /* m = m + g * omb1 */
+    *m = _mm256_add_ps(*m, _mm256_mul_ps(g, h->omb1));
+    /* v = v * beta2_f */
+    *v = _mm256_mul_ps(*v, h->beta2);
+    /* v = v + (g * g) * omb2 */
+    *v = _mm256_add_ps(*v, _mm256_mul_ps(_mm256_mul_ps(g, g), h->omb2));
+    /* s = sqrt(v) */
+    __m256 s = _mm256_sqrt_ps(*v);
+    /* d = s / bc2_sqrt + eps_f */
+    __m256 d = _mm256_add_ps(_mm256_div_ps(s, h->bc2_sqrt), h->eps);
+    /* p = p - step_size * (m / d) */
+    *p = _mm256_sub_ps(*p, _mm256_mul_ps(h->step_size, _mm256_div_ps(*m, d)));
+    return s;
+}
+
+/* ---- codecs ---------------------------------------------------------------------------- */
+
+/* mix32(x) on 8 lanes (section 2). */
+AB_INLINE __m256i avx2_mix32(__m256i x)
+{
+    /* x ^= x >> 16; x *= 0x7feb352d */
+    x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)),
+                           _mm256_set1_epi32(0x7feb352d));
+    /* x ^= x >> 15; x *= 0x846ca68b */
+    x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
+                           _mm256_set1_epi32((int)0x846ca68bu));
+    /* x ^= x >> 16 */
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* 8 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (vcvtph2ps). */
+AB_INLINE __m256 avx2_load_half(const uint16_t *src, int dtype)
+{
+    __m128i h = _mm_loadu_si128((const __m128i *)src);
+    if (dtype == AB_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+AB_INLINE __m256 avx2_load_grad(const void *g, int64_t i, int dtype)
+{
+    if (dtype == AB_F32)
+        return _mm256_loadu_ps((const float *)g + i);
+    return avx2_load_half((const uint16_t *)g + i, dtype);
+}
+
+/* Narrow 8 u32 lanes holding values < 2^16 to 8 u16, in order. */
+AB_INLINE __m128i avx2_narrow16(__m256i x)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
+/* bf16 RNE on 8 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+AB_INLINE __m256i avx2_bf16_rne(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    return _mm256_srli_epi32(u, 16);
+}
+
+/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
+AB_INLINE __m256i avx2_bf16_out(__m256 x)
+{
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
+                                    _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(avx2_bf16_rne(x), quiet, _mm256_castps_si256(nan));
+}
+
+AB_INLINE void avx2_store_out(void *out, int64_t i, __m256 p, int dtype, int nt)
+{
+    if (dtype == AB_F32) {
+        if (nt)
+            _mm256_stream_ps((float *)out + i, p);
+        else
+            _mm256_storeu_ps((float *)out + i, p);
+        return;
+    }
+    if (dtype == AB_NONE)
+        return;
+    __m128i h = dtype == AB_BF16 ? avx2_narrow16(avx2_bf16_out(p))
+                                 : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
+    __m128i *dst = (__m128i *)((uint16_t *)out + i);
+    if (nt)
+        _mm_stream_si128(dst, h);
+    else
+        _mm_storeu_si128(dst, h);
+}
+
+/* fp8 decode of 8 codes (sign included), exact:
+ * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
+AB_INLINE __m256 avx2_fp8_decode(const uint8_t *src, int emin, int mbits)
+{
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+    __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag),
+                               _mm256_set1_ps(ab_as_f32((uint32_t)(127 + emin - mbits) << 23)));
+    __m256i nrm = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - mbits),
+                                   _mm256_set1_epi32((emin + 126) << 23));
+    __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << mbits), mag);
+    __m256 x = _mm256_blendv_ps(_mm256_castsi256_ps(nrm), sub, _mm256_castsi256_ps(is_sub));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(x, _mm256_castsi256_ps(sign));
+}
+
+/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
+AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i r16)
+{
+    /* e = exponent_field(x) - 127 */
+    __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(x), 23),
+                                 _mm256_set1_epi32(127));
+    /* ee = max(e, emin) */
+    __m256i ee = _mm256_max_epi32(e, _mm256_set1_epi32(emin));
+    /* 1/q = 2^(mbits - ee) */
+    __m256 inv_q = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127 + mbits), ee), 23));
+    /* t = x * (1/q) */
+    __m256 t = _mm256_mul_ps(x, inv_q);
+    __m256i y;
+    if (sr) {
+        /* y = floor(t + u), u = r16 * 2^-16 */
+        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r16), _mm256_set1_ps(1.52587890625e-5f));
+        y = _mm256_cvttps_epi32(_mm256_add_ps(t, u));
+    } else {
+        /* y = rint(t) */
+        y = _mm256_cvttps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    /* code = ((ee - emin) << mbits) + y */
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_sub_epi32(ee, _mm256_set1_epi32(emin)), mbits), y);
+}
+
+/* ---- fp32 and bf16 moments ------------------------------------------------------------- */
+
+/* The hash lanes: lo32 of the global index of element i; key folded with mix32(hi32). */
+#define AVX2_IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+
+AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
+                              int prec, int sr, int nt)
+{
+    avx2_hyper h;
+    avx2_hyper_init(&h, &t->hyper);
+    float *pp = t->param;
+    const void *gp = t->grad;
+    void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    /* r(i) = mix32(key ^ lo32(i) ^ mix32(hi32(i))): hi32 is constant over the call */
+    __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 p = _mm256_loadu_ps(pp + i);
+        __m256 g = avx2_load_grad(gp, i, G);
+        __m256 m, v;
+        if (prec == AB_MOMENTS_F32) {
+            m = _mm256_loadu_ps((float *)mp + i);
+            v = _mm256_loadu_ps((float *)vp + i);
+        } else {
+            m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
+            v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
+        }
+        avx2_adamw(&h, &p, g, &m, &v);
+        _mm256_storeu_ps(pp + i, p);
+        if (prec == AB_MOMENTS_F32) {
+            _mm256_storeu_ps((float *)mp + i, m);
+            _mm256_storeu_ps((float *)vp + i, v);
+        } else {
+            __m256i qm, qv;
+            if (sr) {
+                __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
+                /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+                qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
+                                       _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
+                /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+                qv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v),
+                                       _mm256_srli_epi32(r, 16)), 16);
+                idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+            } else {
+                qm = avx2_bf16_rne(m);
+                qv = avx2_bf16_rne(v);
+            }
+            _mm_storeu_si128((__m128i *)((uint16_t *)mp + i), avx2_narrow16(qm));
+            _mm_storeu_si128((__m128i *)((uint16_t *)vp + i), avx2_narrow16(qv));
+        }
+        avx2_store_out(op, i, p, O, nt);
+    }
+    if (i < end)
+        ab_update_scalar(t, i, end, 0);                /* tail: the scalar lines */
+}
+
+/* ---- fp8 moments ------------------------------------------------------------------------ */
+
+/* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
+AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t n,
+                              __m256i kh, int G, int O, int sr, int nt)
+{
+    AB_ALIGN64 float mbuf[AB_BLOCK];
+    AB_ALIGN64 float sbuf[AB_BLOCK];
+    float *pp = t->param;
+    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
+    float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
+    __m256 sm = _mm256_set1_ps(*scale_m), sv = _mm256_set1_ps(*scale_v);
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax_m = _mm256_setzero_ps(), vmax_s = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        int64_t i = b0 + j;
+        __m256 p = _mm256_loadu_ps(pp + i);
+        __m256 g = avx2_load_grad(t->grad, i, G);
+        /* m = dec_e4m3(qm) * scale_m */
+        __m256 m = _mm256_mul_ps(avx2_fp8_decode(qm + j, AB_E4M3_EMIN, AB_E4M3_MBITS), sm);
+        /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
+        __m256 s = _mm256_mul_ps(avx2_fp8_decode(qv + j, AB_E5M2_EMIN, AB_E5M2_MBITS), sv);
+        __m256 v = _mm256_mul_ps(s, s);
+        s = avx2_adamw(h, &p, g, &m, &v);
+        _mm256_storeu_ps(pp + i, p);
+        avx2_store_out(t->out, i, p, O, nt);
+        /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
+        vmax_m = _mm256_max_ps(_mm256_and_ps(m, abs_mask), vmax_m);
+        vmax_s = _mm256_max_ps(s, vmax_s);
+        _mm256_store_ps(mbuf + j, m);
+        _mm256_store_ps(sbuf + j, s);
+    }
+    AB_ALIGN64 float lanes_m[8], lanes_s[8];
+    _mm256_store_ps(lanes_m, vmax_m);
+    _mm256_store_ps(lanes_s, vmax_s);
+    float amax_m = 0.0f, amax_s = 0.0f;
+    for (int k = 0; k < 8; k++) {
+        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
+        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
+    }
+    for (; j < n; j++) {                               /* tail: the scalar lines */
+        int64_t i = b0 + j;
+        float g = ab_load_grad(t->grad, i, G);
+        float m = ab_e4m3_decode(qm[j]) * *scale_m;
+        float svj = ab_e5m2_decode(qv[j]) * *scale_v;
+        float v = svj * svj;
+        float s = ab_adamw_elem(&t->hyper, &pp[i], g, &m, &v);
+        ab_store_out(t->out, i, pp[i], O);
+        float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);
+        amax_m = am > amax_m ? am : amax_m;
+        amax_s = s > amax_s ? s : amax_s;
+        mbuf[j] = m;
+        sbuf[j] = s;
+    }
+    *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
+    *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
+    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
+    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    __m256 vinv_m = _mm256_set1_ps(inv_m), vinv_v = _mm256_set1_ps(inv_v);
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX2_IOTA);
+    /* bytes 0-3 and 8-11 of the packed codes are m's, 4-7 and 12-15 v's */
+    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 m = _mm256_load_ps(mbuf + j), s = _mm256_load_ps(sbuf + j);
+        __m256i r = sr ? avx2_mix32(_mm256_xor_si256(kh, idx)) : _mm256_setzero_si256();
+        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        /* x_m = min(|m| * inv_m, 448) */
+        __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), vinv_m),
+                                  _mm256_set1_ps(AB_E4M3_MAX));
+        /* x_v = min(s * inv_v, 57344) */
+        __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, vinv_v), _mm256_set1_ps(AB_E5M2_MAX));
+        __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
+                                     _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+        __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, _mm256_srli_epi32(r, 16));
+        /* sign bit when m < 0 */
+        __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
+        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
+        __m256i w = _mm256_packus_epi32(cm, cv);       /* u16: m0-3 v0-3 | m4-7 v4-7 */
+        __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        b = _mm_shuffle_epi8(b, order);                /* m0-7 | v0-7 */
+        _mm_storel_epi64((__m128i *)(qm + j), b);
+        _mm_storel_epi64((__m128i *)(qv + j), _mm_unpackhi_epi64(b, b));
+    }
+    for (; j < n; j++) {                               /* tail: the scalar lines */
+        uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
+        float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
+        float xm = am * inv_m;
+        xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
+        float xv = sbuf[j] * inv_v;
+        xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
+        uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
+        uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
+        qm[j] = (uint8_t)(cm | (mbuf[j] < 0.0f ? 0x80u : 0u));
+        qv[j] = (uint8_t)cv;
+    }
+}
+
+AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
+                             int sr, int nt)
+{
+    avx2_hyper h;
+    avx2_hyper_init(&h, &t->hyper);
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
+        avx2_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr, nt);
+}
+
+/* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */
+
+#define AVX2_F32(G, O) avx2_loop_flat(t, begin, end, G, O, AB_MOMENTS_F32, 0, nt)
+#define AVX2_BF16_SR(G, O) avx2_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 1, nt)
+#define AVX2_BF16_RNE(G, O) avx2_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 0, nt)
+#define AVX2_FP8_SR(G, O) avx2_loop_fp8(t, begin, end, G, O, 1, nt)
+#define AVX2_FP8_RNE(G, O) avx2_loop_fp8(t, begin, end, G, O, 0, nt)
+
+AB_NOINLINE void avx2_f32(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX2_F32)
+}
+AB_NOINLINE void avx2_bf16(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX2_BF16_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX2_BF16_RNE)
+    }
+}
+AB_NOINLINE void avx2_fp8(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX2_FP8_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX2_FP8_RNE)
+    }
+}
+
+void ab_update_avx2(const ab_tensor *t, int64_t begin, int64_t end, int flags)
+{
+    int osize = ab_dtype_size(t->out_dtype);
+    /* non-temporal stores need every 8-element store of `out` aligned: check the first */
+    int nt = (flags & AB_KFLAG_STREAM_OUT) && osize &&
+             ((uintptr_t)((char *)t->out + begin * osize) % (8 * (uintptr_t)osize)) == 0;
+    if (t->precision == AB_MOMENTS_F32)
+        avx2_f32(t, begin, end, nt);
+    else if (t->precision == AB_MOMENTS_BF16)
+        avx2_bf16(t, begin, end, nt);
+    else
+        avx2_fp8(t, begin, end, nt);
+    if (nt)
+        _mm_sfence();  /* order the streamed `out` before the pool reports the work done */
+}
+
+#undef AVX2_F32
+#undef AVX2_BF16_SR
+#undef AVX2_BF16_RNE
+#undef AVX2_FP8_SR
+#undef AVX2_FP8_RNE
+#undef AVX2_IOTA
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+#endif /* AB_HAVE_AVX2 */

@@ -1,0 +1,445 @@
+/* kernel_avx512.c: the fused AdamW update, 16 lanes of AVX-512 (F, BW, VL).
+ *
+ * Contract: exactly kernel_scalar.c, bit for bit (docs/numerics.md), 16 elements at a time; the
+ * same structure as kernel_avx2.c, line for line, with the scalar line above the intrinsics.
+ * No FMA. Tails use masked loads and stores (never touching memory past the end), so the
+ * scalar code is not needed here. Only the write-only `out` stream may be non-temporal.
+ *
+ * NOTE: AVX512-BF16 (vcvtneps2bf16) is not used for the bf16 copy: it flushes subnormal inputs
+ * to zero, which the integer round-to-nearest-even of numerics.md section 3 does not.
+ *
+ * Flags when compiled alone: -mavx512f -mavx512bw -mavx512vl. The target pragma below lets
+ * the file also compile inside the unity build of tests/native/selftest.c with no flags.
+ * Reference: https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html
+ */
+#include "codecs.h"
+
+#if defined(AB_HAVE_AVX512)
+
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+#endif
+
+typedef struct {
+    __m512 decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+} avx512_hyper;
+
+static void avx512_hyper_init(avx512_hyper *h, const ab_hyper *s)
+{
+    h->decay = _mm512_set1_ps(s->decay);
+    h->beta1 = _mm512_set1_ps(s->beta1);
+    h->omb1 = _mm512_set1_ps(s->one_minus_beta1);
+    h->beta2 = _mm512_set1_ps(s->beta2);
+    h->omb2 = _mm512_set1_ps(s->one_minus_beta2);
+    h->bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt);
+    h->eps = _mm512_set1_ps(s->eps);
+    h->step_size = _mm512_set1_ps(s->step_size);
+}
+
+/* Section 1 on 16 lanes; returns s = sqrt(v). */
+AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
+{
+    /* p = p * decay */
+    *p = _mm512_mul_ps(*p, h->decay);
+    /* m = m * beta1_f */
+    *m = _mm512_mul_ps(*m, h->beta1);
+    /* m = m + g * omb1 */
+    *m = _mm512_add_ps(*m, _mm512_mul_ps(g, h->omb1));
+    /* v = v * beta2_f */
+    *v = _mm512_mul_ps(*v, h->beta2);
+    /* v = v + (g * g) * omb2 */
+    *v = _mm512_add_ps(*v, _mm512_mul_ps(_mm512_mul_ps(g, g), h->omb2));
+    /* s = sqrt(v) */
+    __m512 s = _mm512_sqrt_ps(*v);
+    /* d = s / bc2_sqrt + eps_f */
+    __m512 d = _mm512_add_ps(_mm512_div_ps(s, h->bc2_sqrt), h->eps);
+    /* p = p - step_size * (m / d) */
+    *p = _mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d)));
+    return s;
+}
+
+/* ---- masked memory access: k selects the lanes (all 16 when full) ---------------------- */
+
+AB_INLINE __m512 avx512_load_f32(const float *src, __mmask16 k, int full)
+{
+    return full ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(k, src);
+}
+AB_INLINE void avx512_store_f32(float *dst, __m512 x, __mmask16 k, int full)
+{
+    if (full)
+        _mm512_storeu_ps(dst, x);
+    else
+        _mm512_mask_storeu_ps(dst, k, x);
+}
+AB_INLINE __m256i avx512_load_u16(const uint16_t *src, __mmask16 k, int full)
+{
+    return full ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskz_loadu_epi16(k, src);
+}
+AB_INLINE void avx512_store_u16(uint16_t *dst, __m256i x, __mmask16 k, int full)
+{
+    if (full)
+        _mm256_storeu_si256((__m256i *)dst, x);
+    else
+        _mm256_mask_storeu_epi16(dst, k, x);
+}
+AB_INLINE __m128i avx512_load_u8(const uint8_t *src, __mmask16 k, int full)
+{
+    return full ? _mm_loadu_si128((const __m128i *)src) : _mm_maskz_loadu_epi8(k, src);
+}
+AB_INLINE void avx512_store_u8(uint8_t *dst, __m128i x, __mmask16 k, int full)
+{
+    if (full)
+        _mm_storeu_si128((__m128i *)dst, x);
+    else
+        _mm_mask_storeu_epi8(dst, k, x);
+}
+
+/* ---- codecs ---------------------------------------------------------------------------- */
+
+/* mix32(x) on 16 lanes (section 2). */
+AB_INLINE __m512i avx512_mix32(__m512i x)
+{
+    /* x ^= x >> 16; x *= 0x7feb352d */
+    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)),
+                           _mm512_set1_epi32(0x7feb352d));
+    /* x ^= x >> 15; x *= 0x846ca68b */
+    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)),
+                           _mm512_set1_epi32((int)0x846ca68bu));
+    /* x ^= x >> 16 */
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* 16 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (vcvtph2ps). */
+AB_INLINE __m512 avx512_half_to_f32(__m256i h, int dtype)
+{
+    if (dtype == AB_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+AB_INLINE __m512 avx512_load_grad(const void *g, int64_t i, int dtype, __mmask16 k, int full)
+{
+    if (dtype == AB_F32)
+        return avx512_load_f32((const float *)g + i, k, full);
+    return avx512_half_to_f32(avx512_load_u16((const uint16_t *)g + i, k, full), dtype);
+}
+
+/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+AB_INLINE __m512i avx512_bf16_rne(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_srli_epi32(u, 16);
+}
+
+/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
+AB_INLINE __m512i avx512_bf16_out(__m512 x)
+{
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
+                                    _mm512_set1_epi32(0x40));
+    return _mm512_mask_blend_epi32(nan, avx512_bf16_rne(x), quiet);
+}
+
+AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int nt, __mmask16 k,
+                                int full)
+{
+    if (dtype == AB_F32) {
+        if (nt && full)
+            _mm512_stream_ps((float *)out + i, p);
+        else
+            avx512_store_f32((float *)out + i, p, k, full);
+        return;
+    }
+    if (dtype == AB_NONE)
+        return;
+    __m256i h = dtype == AB_BF16 ? _mm512_cvtepi32_epi16(avx512_bf16_out(p))
+                                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    uint16_t *dst = (uint16_t *)out + i;
+    if (nt && full)
+        _mm256_stream_si256((__m256i *)dst, h);
+    else
+        avx512_store_u16(dst, h, k, full);
+}
+
+/* fp8 decode of 16 codes (sign included), exact:
+ * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
+AB_INLINE __m512 avx512_fp8_decode(__m128i bytes, int emin, int mbits)
+{
+    __m512i c = _mm512_cvtepu8_epi32(bytes);
+    __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7f));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag),
+                               _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin - mbits) << 23)));
+    __m512i nrm = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - mbits),
+                                   _mm512_set1_epi32((emin + 126) << 23));
+    __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1 << mbits));
+    __m512 x = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+
+/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i r16)
+{
+    /* e = exponent_field(x) - 127 */
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(x), 23),
+                                 _mm512_set1_epi32(127));
+    /* ee = max(e, emin) */
+    __m512i ee = _mm512_max_epi32(e, _mm512_set1_epi32(emin));
+    /* 1/q = 2^(mbits - ee) */
+    __m512 inv_q = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127 + mbits), ee), 23));
+    /* t = x * (1/q) */
+    __m512 t = _mm512_mul_ps(x, inv_q);
+    __m512i y;
+    if (sr) {
+        /* y = floor(t + u), u = r16 * 2^-16 */
+        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(r16), _mm512_set1_ps(1.52587890625e-5f));
+        y = _mm512_cvttps_epi32(_mm512_add_ps(t, u));
+    } else {
+        /* y = rint(t) */
+        y = _mm512_cvttps_epi32(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    /* code = ((ee - emin) << mbits) + y */
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(ee, _mm512_set1_epi32(emin)), mbits), y);
+}
+
+/* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */
+AB_INLINE __m512 avx512_abs(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/* ---- fp32 and bf16 moments ------------------------------------------------------------- */
+
+#define AVX512_IOTA _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+
+/* 16 elements from i (the lanes in k when not full). */
+AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp, void *mp, void *vp,
+                                void *op, int64_t i, __m512i kh, __m512i idx, int G, int O,
+                                int prec, int sr, int nt, __mmask16 k, int full)
+{
+    __m512 p = avx512_load_f32(pp + i, k, full);
+    __m512 g = avx512_load_grad(gp, i, G, k, full);
+    __m512 m, v;
+    if (prec == AB_MOMENTS_F32) {
+        m = avx512_load_f32((float *)mp + i, k, full);
+        v = avx512_load_f32((float *)vp + i, k, full);
+    } else {
+        /* m = as_f32(qm << 16); v = as_f32(qv << 16) */
+        m = avx512_half_to_f32(avx512_load_u16((uint16_t *)mp + i, k, full), AB_BF16);
+        v = avx512_half_to_f32(avx512_load_u16((uint16_t *)vp + i, k, full), AB_BF16);
+    }
+    avx512_adamw(h, &p, g, &m, &v);
+    avx512_store_f32(pp + i, p, k, full);
+    if (prec == AB_MOMENTS_F32) {
+        avx512_store_f32((float *)mp + i, m, k, full);
+        avx512_store_f32((float *)vp + i, v, k, full);
+    } else {
+        __m512i qm, qv;
+        if (sr) {
+            __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+            /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+            qm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(m),
+                                   _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
+            /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+            qv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v),
+                                   _mm512_srli_epi32(r, 16)), 16);
+        } else {
+            qm = avx512_bf16_rne(m);
+            qv = avx512_bf16_rne(v);
+        }
+        avx512_store_u16((uint16_t *)mp + i, _mm512_cvtepi32_epi16(qm), k, full);
+        avx512_store_u16((uint16_t *)vp + i, _mm512_cvtepi32_epi16(qv), k, full);
+    }
+    avx512_store_out(op, i, p, O, nt, k, full);
+}
+
+AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
+                                int prec, int sr, int nt)
+{
+    avx512_hyper h;
+    avx512_hyper_init(&h, &t->hyper);
+    float *pp = t->param;
+    const void *gp = t->grad;
+    void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    /* r(i) = mix32(key ^ lo32(i) ^ mix32(hi32(i))): hi32 is constant over the call */
+    __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)gi), AVX512_IOTA);
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        avx512_flat_step(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt, 0xffff, 1);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    }
+    if (i < end) {                                     /* tail: masked lanes */
+        __mmask16 k = (__mmask16)((1u << (end - i)) - 1u);
+        avx512_flat_step(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt, k, 0);
+    }
+}
+
+/* ---- fp8 moments ------------------------------------------------------------------------ */
+
+/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode. */
+AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t j,
+                                 __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512 *vmax_m,
+                                 __m512 *vmax_s, int G, int O, int nt, __mmask16 k, int full)
+{
+    int64_t i = b0 + j;
+    float *pp = t->param;
+    const uint8_t *qm = (const uint8_t *)t->exp_avg + b0, *qv = (const uint8_t *)t->exp_avg_sq + b0;
+    __m512 p = avx512_load_f32(pp + i, k, full);
+    __m512 g = avx512_load_grad(t->grad, i, G, k, full);
+    /* m = dec_e4m3(qm) * scale_m */
+    __m512 m = _mm512_mul_ps(avx512_fp8_decode(avx512_load_u8(qm + j, k, full), AB_E4M3_EMIN,
+                                               AB_E4M3_MBITS), sm);
+    /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
+    __m512 s = _mm512_mul_ps(avx512_fp8_decode(avx512_load_u8(qv + j, k, full), AB_E5M2_EMIN,
+                                               AB_E5M2_MBITS), sv);
+    __m512 v = _mm512_mul_ps(s, s);
+    s = avx512_adamw(h, &p, g, &m, &v);
+    avx512_store_f32(pp + i, p, k, full);
+    avx512_store_out(t->out, i, p, O, nt, k, full);
+    /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
+    *vmax_m = _mm512_mask_max_ps(*vmax_m, k, avx512_abs(m), *vmax_m);
+    *vmax_s = _mm512_mask_max_ps(*vmax_s, k, s, *vmax_s);
+    _mm512_store_ps(mbuf + j, m);
+    _mm512_store_ps(sbuf + j, s);
+}
+
+/* Encode 16 elements of a block (lanes k) from the kept m and s. */
+AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
+                                      const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                      __m512i idx, int sr, __mmask16 k, int full)
+{
+    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
+    __m512i r = sr ? avx512_mix32(_mm512_xor_si512(kh, idx)) : _mm512_setzero_si512();
+    /* x_m = min(|m| * inv_m, 448) */
+    __m512 xm = _mm512_min_ps(_mm512_mul_ps(avx512_abs(m), vinv_m), _mm512_set1_ps(AB_E4M3_MAX));
+    /* x_v = min(s * inv_v, 57344) */
+    __m512 xv = _mm512_min_ps(_mm512_mul_ps(s, vinv_v), _mm512_set1_ps(AB_E5M2_MAX));
+    __m512i cm = avx512_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
+                                   _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+    __m512i cv = avx512_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, _mm512_srli_epi32(r, 16));
+    /* sign bit when m < 0 */
+    __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
+    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
+    avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
+    avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
+}
+
+/* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
+AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t n,
+                                __m512i kh, int G, int O, int sr, int nt)
+{
+    AB_ALIGN64 float mbuf[AB_BLOCK];
+    AB_ALIGN64 float sbuf[AB_BLOCK];
+    float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
+    float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
+    __m512 sm = _mm512_set1_ps(*scale_m), sv = _mm512_set1_ps(*scale_v);
+    __m512 vmax_m = _mm512_setzero_ps(), vmax_s = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0xffff, 1);
+    __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
+    if (j < n)                                         /* tail: masked lanes */
+        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
+    AB_ALIGN64 float lanes_m[16], lanes_s[16];
+    _mm512_store_ps(lanes_m, vmax_m);
+    _mm512_store_ps(lanes_s, vmax_s);
+    float amax_m = 0.0f, amax_s = 0.0f;
+    for (int k = 0; k < 16; k++) {
+        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
+        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
+    }
+    *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
+    *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
+    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
+    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
+    for (j = 0; j + 16 <= n; j += 16) {
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, 0xffff, 1);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    }
+    if (j < n)                                         /* tail: masked lanes */
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
+}
+
+AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
+                               int sr, int nt)
+{
+    avx512_hyper h;
+    avx512_hyper_init(&h, &t->hyper);
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
+        avx512_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr, nt);
+}
+
+/* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */
+
+#define AVX512_F32(G, O) avx512_loop_flat(t, begin, end, G, O, AB_MOMENTS_F32, 0, nt)
+#define AVX512_BF16_SR(G, O) avx512_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 1, nt)
+#define AVX512_BF16_RNE(G, O) avx512_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 0, nt)
+#define AVX512_FP8_SR(G, O) avx512_loop_fp8(t, begin, end, G, O, 1, nt)
+#define AVX512_FP8_RNE(G, O) avx512_loop_fp8(t, begin, end, G, O, 0, nt)
+
+AB_NOINLINE void avx512_f32(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX512_F32)
+}
+AB_NOINLINE void avx512_bf16(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX512_BF16_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX512_BF16_RNE)
+    }
+}
+AB_NOINLINE void avx512_fp8(const ab_tensor *t, int64_t begin, int64_t end, int nt)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX512_FP8_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, AVX512_FP8_RNE)
+    }
+}
+
+void ab_update_avx512(const ab_tensor *t, int64_t begin, int64_t end, int flags)
+{
+    int osize = ab_dtype_size(t->out_dtype);
+    /* non-temporal stores need every 16-element store of `out` aligned: check the first */
+    int nt = (flags & AB_KFLAG_STREAM_OUT) && osize &&
+             ((uintptr_t)((char *)t->out + begin * osize) % (16 * (uintptr_t)osize)) == 0;
+    if (t->precision == AB_MOMENTS_F32)
+        avx512_f32(t, begin, end, nt);
+    else if (t->precision == AB_MOMENTS_BF16)
+        avx512_bf16(t, begin, end, nt);
+    else
+        avx512_fp8(t, begin, end, nt);
+    if (nt)
+        _mm_sfence();  /* order the streamed `out` before the pool reports the work done */
+}
+
+#undef AVX512_F32
+#undef AVX512_BF16_SR
+#undef AVX512_BF16_RNE
+#undef AVX512_FP8_SR
+#undef AVX512_FP8_RNE
+#undef AVX512_IOTA
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+#endif /* AB_HAVE_AVX512 */

@@ -1,0 +1,381 @@
+/* kernel_neon.c: the fused AdamW update, 4 lanes of AArch64 Advanced SIMD (NEON).
+ *
+ * Contract: exactly kernel_scalar.c, bit for bit (docs/numerics.md), 4 elements at a time; the
+ * same structure as kernel_avx2.c, line for line, with the scalar line above the intrinsics.
+ * No FMA (vfmaq is never used and codecs.h turns contraction off). NEON's vmaxq/vminq return
+ * NaN for a NaN operand, unlike the scalar `a > b ? a : b`, so max and min are written as a
+ * compare and a select. Tails run the scalar code from codecs.h. No non-temporal stores.
+ *
+ * Flags: none (NEON is part of the AArch64 base architecture).
+ * Reference: https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html
+ */
+#include "codecs.h"
+
+#if defined(AB_HAVE_NEON)
+
+#include <arm_neon.h>
+
+typedef struct {
+    float32x4_t decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+} neon_hyper;
+
+static void neon_hyper_init(neon_hyper *h, const ab_hyper *s)
+{
+    h->decay = vdupq_n_f32(s->decay);
+    h->beta1 = vdupq_n_f32(s->beta1);
+    h->omb1 = vdupq_n_f32(s->one_minus_beta1);
+    h->beta2 = vdupq_n_f32(s->beta2);
+    h->omb2 = vdupq_n_f32(s->one_minus_beta2);
+    h->bc2_sqrt = vdupq_n_f32(s->bc2_sqrt);
+    h->eps = vdupq_n_f32(s->eps);
+    h->step_size = vdupq_n_f32(s->step_size);
+}
+
+/* Section 1 on 4 lanes; returns s = sqrt(v). */
+AB_INLINE float32x4_t neon_adamw(const neon_hyper *h, float32x4_t *p, float32x4_t g,
+                                 float32x4_t *m, float32x4_t *v)
+{
+    /* p = p * decay */
+    *p = vmulq_f32(*p, h->decay);
+    /* m = m * beta1_f */
+    *m = vmulq_f32(*m, h->beta1);
+    /* m = m + g * omb1 */
+    *m = vaddq_f32(*m, vmulq_f32(g, h->omb1));
+    /* v = v * beta2_f */
+    *v = vmulq_f32(*v, h->beta2);
+    /* v = v + (g * g) * omb2 */
+    *v = vaddq_f32(*v, vmulq_f32(vmulq_f32(g, g), h->omb2));
+    /* s = sqrt(v) */
+    float32x4_t s = vsqrtq_f32(*v);
+    /* d = s / bc2_sqrt + eps_f */
+    float32x4_t d = vaddq_f32(vdivq_f32(s, h->bc2_sqrt), h->eps);
+    /* p = p - step_size * (m / d) */
+    *p = vsubq_f32(*p, vmulq_f32(h->step_size, vdivq_f32(*m, d)));
+    return s;
+}
+
+/* a > b ? a : b and a < b ? a : b, lane by lane (the scalar semantics, NaN included). */
+AB_INLINE float32x4_t neon_max(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+AB_INLINE float32x4_t neon_min(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+AB_INLINE float32x4_t neon_abs(float32x4_t x)
+{
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x7fffffffu)));
+}
+
+/* ---- codecs ---------------------------------------------------------------------------- */
+
+/* mix32(x) on 4 lanes (section 2). */
+AB_INLINE uint32x4_t neon_mix32(uint32x4_t x)
+{
+    /* x ^= x >> 16; x *= 0x7feb352d */
+    x = vmulq_u32(veorq_u32(x, vshrq_n_u32(x, 16)), vdupq_n_u32(0x7feb352du));
+    /* x ^= x >> 15; x *= 0x846ca68b */
+    x = vmulq_u32(veorq_u32(x, vshrq_n_u32(x, 15)), vdupq_n_u32(0x846ca68bu));
+    /* x ^= x >> 16 */
+    return veorq_u32(x, vshrq_n_u32(x, 16));
+}
+
+/* 4 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (fcvtl). */
+AB_INLINE float32x4_t neon_load_half(const uint16_t *src, int dtype)
+{
+    uint16x4_t h = vld1_u16(src);
+    if (dtype == AB_BF16)
+        return vreinterpretq_f32_u32(vshlq_n_u32(vmovl_u16(h), 16));
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+AB_INLINE float32x4_t neon_load_grad(const void *g, int64_t i, int dtype)
+{
+    if (dtype == AB_F32)
+        return vld1q_f32((const float *)g + i);
+    return neon_load_half((const uint16_t *)g + i, dtype);
+}
+
+/* bf16 RNE on 4 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+AB_INLINE uint32x4_t neon_bf16_rne(float32x4_t x)
+{
+    uint32x4_t u = vreinterpretq_u32_f32(x);
+    uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    u = vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), odd);
+    return vshrq_n_u32(u, 16);
+}
+
+/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
+AB_INLINE uint32x4_t neon_bf16_out(float32x4_t x)
+{
+    uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));
+    uint32x4_t quiet = vorrq_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 16), vdupq_n_u32(0x40));
+    return vbslq_u32(nan, quiet, neon_bf16_rne(x));
+}
+
+AB_INLINE void neon_store_out(void *out, int64_t i, float32x4_t p, int dtype)
+{
+    if (dtype == AB_F32)
+        vst1q_f32((float *)out + i, p);
+    else if (dtype == AB_BF16)
+        vst1_u16((uint16_t *)out + i, vmovn_u32(neon_bf16_out(p)));
+    else if (dtype == AB_F16)
+        vst1_u16((uint16_t *)out + i, vreinterpret_u16_f16(vcvt_f16_f32(p)));
+}
+
+/* 4 fp8 codes -> u32 lanes. */
+AB_INLINE uint32x4_t neon_load_u8x4(const uint8_t *src)
+{
+    uint32_t w;
+    memcpy(&w, src, 4);
+    return vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w)))));
+}
+
+AB_INLINE void neon_store_u8x4(uint8_t *dst, uint32x4_t codes)
+{
+    uint16x4_t h = vmovn_u32(codes);
+    uint8x8_t b = vmovn_u16(vcombine_u16(h, h));
+    uint32_t w = vget_lane_u32(vreinterpret_u32_u8(b), 0);
+    memcpy(dst, &w, 4);
+}
+
+/* fp8 decode of 4 codes (sign included), exact:
+ * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
+AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
+{
+    uint32x4_t c = neon_load_u8x4(src);
+    uint32x4_t mag = vandq_u32(c, vdupq_n_u32(0x7f));
+    float32x4_t sub = vmulq_f32(vcvtq_f32_u32(mag),
+                                vdupq_n_f32(ab_as_f32((uint32_t)(127 + emin - mbits) << 23)));
+    uint32x4_t nrm = vaddq_u32(vshlq_u32(mag, vdupq_n_s32(23 - mbits)),
+                               vdupq_n_u32((uint32_t)(emin + 126) << 23));
+    uint32x4_t is_sub = vcltq_u32(mag, vdupq_n_u32(1u << mbits));
+    float32x4_t x = vbslq_f32(is_sub, sub, vreinterpretq_f32_u32(nrm));
+    uint32x4_t sign = vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24);
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(x), sign));
+}
+
+/* fp8 encode of 4 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
+AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, uint32x4_t r16)
+{
+    /* e = exponent_field(x) - 127 */
+    int32x4_t e = vsubq_s32(vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 23)),
+                            vdupq_n_s32(127));
+    /* ee = max(e, emin) */
+    int32x4_t ee = vmaxq_s32(e, vdupq_n_s32(emin));
+    /* 1/q = 2^(mbits - ee) */
+    float32x4_t inv_q = vreinterpretq_f32_s32(vshlq_n_s32(vsubq_s32(vdupq_n_s32(127 + mbits), ee), 23));
+    /* t = x * (1/q) */
+    float32x4_t t = vmulq_f32(x, inv_q);
+    uint32x4_t y;
+    if (sr) {
+        /* y = floor(t + u), u = r16 * 2^-16 */
+        float32x4_t u = vmulq_f32(vcvtq_f32_u32(r16), vdupq_n_f32(1.52587890625e-5f));
+        y = vcvtq_u32_f32(vaddq_f32(t, u));
+    } else {
+        /* y = rint(t) */
+        y = vcvtq_u32_f32(vrndnq_f32(t));
+    }
+    /* code = ((ee - emin) << mbits) + y */
+    uint32x4_t base = vreinterpretq_u32_s32(vshlq_s32(vsubq_s32(ee, vdupq_n_s32(emin)), vdupq_n_s32(mbits)));
+    return vaddq_u32(base, y);
+}
+
+/* ---- fp32 and bf16 moments ------------------------------------------------------------- */
+
+AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
+                              int prec, int sr)
+{
+    neon_hyper h;
+    neon_hyper_init(&h, &t->hyper);
+    float *pp = t->param;
+    const void *gp = t->grad;
+    void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    /* r(i) = mix32(key ^ lo32(i) ^ mix32(hi32(i))): hi32 is constant over the call */
+    uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
+    static const uint32_t iota[4] = {0, 1, 2, 3};
+    uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)gi), vld1q_u32(iota));
+    int64_t i = begin;
+    for (; i + 4 <= end; i += 4) {
+        float32x4_t p = vld1q_f32(pp + i);
+        float32x4_t g = neon_load_grad(gp, i, G);
+        float32x4_t m, v;
+        if (prec == AB_MOMENTS_F32) {
+            m = vld1q_f32((float *)mp + i);
+            v = vld1q_f32((float *)vp + i);
+        } else {
+            m = neon_load_half((uint16_t *)mp + i, AB_BF16);     /* m = as_f32(qm << 16) */
+            v = neon_load_half((uint16_t *)vp + i, AB_BF16);     /* v = as_f32(qv << 16) */
+        }
+        neon_adamw(&h, &p, g, &m, &v);
+        vst1q_f32(pp + i, p);
+        if (prec == AB_MOMENTS_F32) {
+            vst1q_f32((float *)mp + i, m);
+            vst1q_f32((float *)vp + i, v);
+        } else {
+            uint32x4_t qm, qv;
+            if (sr) {
+                uint32x4_t r = neon_mix32(veorq_u32(kh, idx));
+                /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+                qm = vshrq_n_u32(vaddq_u32(vreinterpretq_u32_f32(m), vandq_u32(r, vdupq_n_u32(0xffff))), 16);
+                /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+                qv = vshrq_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), vshrq_n_u32(r, 16)), 16);
+                idx = vaddq_u32(idx, vdupq_n_u32(4));
+            } else {
+                qm = neon_bf16_rne(m);
+                qv = neon_bf16_rne(v);
+            }
+            vst1_u16((uint16_t *)mp + i, vmovn_u32(qm));
+            vst1_u16((uint16_t *)vp + i, vmovn_u32(qv));
+        }
+        neon_store_out(op, i, p, O);
+    }
+    if (i < end)
+        ab_update_scalar(t, i, end, 0);                /* tail: the scalar lines */
+}
+
+/* ---- fp8 moments ------------------------------------------------------------------------ */
+
+/* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
+AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b0, int64_t n,
+                              uint32x4_t kh, int G, int O, int sr)
+{
+    AB_ALIGN64 float mbuf[AB_BLOCK];
+    AB_ALIGN64 float sbuf[AB_BLOCK];
+    float *pp = t->param;
+    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
+    float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
+    float32x4_t sm = vdupq_n_f32(*scale_m), sv = vdupq_n_f32(*scale_v);
+    float32x4_t vmax_m = vdupq_n_f32(0.0f), vmax_s = vdupq_n_f32(0.0f);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        int64_t i = b0 + j;
+        float32x4_t p = vld1q_f32(pp + i);
+        float32x4_t g = neon_load_grad(t->grad, i, G);
+        /* m = dec_e4m3(qm) * scale_m */
+        float32x4_t m = vmulq_f32(neon_fp8_decode(qm + j, AB_E4M3_EMIN, AB_E4M3_MBITS), sm);
+        /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
+        float32x4_t s = vmulq_f32(neon_fp8_decode(qv + j, AB_E5M2_EMIN, AB_E5M2_MBITS), sv);
+        float32x4_t v = vmulq_f32(s, s);
+        s = neon_adamw(h, &p, g, &m, &v);
+        vst1q_f32(pp + i, p);
+        neon_store_out(t->out, i, p, O);
+        /* amax_m = max |m|; amax_s = max s */
+        vmax_m = neon_max(neon_abs(m), vmax_m);
+        vmax_s = neon_max(s, vmax_s);
+        vst1q_f32(mbuf + j, m);
+        vst1q_f32(sbuf + j, s);
+    }
+    float lanes_m[4], lanes_s[4];
+    vst1q_f32(lanes_m, vmax_m);
+    vst1q_f32(lanes_s, vmax_s);
+    float amax_m = 0.0f, amax_s = 0.0f;
+    for (int k = 0; k < 4; k++) {
+        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
+        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
+    }
+    for (; j < n; j++) {                               /* tail: the scalar lines */
+        int64_t i = b0 + j;
+        float g = ab_load_grad(t->grad, i, G);
+        float m = ab_e4m3_decode(qm[j]) * *scale_m;
+        float svj = ab_e5m2_decode(qv[j]) * *scale_v;
+        float v = svj * svj;
+        float s = ab_adamw_elem(&t->hyper, &pp[i], g, &m, &v);
+        ab_store_out(t->out, i, pp[i], O);
+        float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);
+        amax_m = am > amax_m ? am : amax_m;
+        amax_s = s > amax_s ? s : amax_s;
+        mbuf[j] = m;
+        sbuf[j] = s;
+    }
+    *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
+    *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
+    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
+    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    float32x4_t vinv_m = vdupq_n_f32(inv_m), vinv_v = vdupq_n_f32(inv_v);
+    static const uint32_t iota[4] = {0, 1, 2, 3};
+    uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)(t->offset + b0)), vld1q_u32(iota));
+    for (j = 0; j + 4 <= n; j += 4) {
+        float32x4_t m = vld1q_f32(mbuf + j), s = vld1q_f32(sbuf + j);
+        uint32x4_t r = sr ? neon_mix32(veorq_u32(kh, idx)) : vdupq_n_u32(0);
+        idx = vaddq_u32(idx, vdupq_n_u32(4));
+        /* x_m = min(|m| * inv_m, 448) */
+        float32x4_t xm = neon_min(vmulq_f32(neon_abs(m), vinv_m), vdupq_n_f32(AB_E4M3_MAX));
+        /* x_v = min(s * inv_v, 57344) */
+        float32x4_t xv = neon_min(vmulq_f32(s, vinv_v), vdupq_n_f32(AB_E5M2_MAX));
+        uint32x4_t cm = neon_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
+                                        vandq_u32(r, vdupq_n_u32(0xffff)));
+        uint32x4_t cv = neon_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, vshrq_n_u32(r, 16));
+        /* sign bit when m < 0 */
+        cm = vorrq_u32(cm, vandq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)), vdupq_n_u32(0x80)));
+        neon_store_u8x4(qm + j, cm);
+        neon_store_u8x4(qv + j, cv);
+    }
+    for (; j < n; j++) {                               /* tail: the scalar lines */
+        uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
+        float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
+        float xm = am * inv_m;
+        xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
+        float xv = sbuf[j] * inv_v;
+        xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
+        uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
+        uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
+        qm[j] = (uint8_t)(cm | (mbuf[j] < 0.0f ? 0x80u : 0u));
+        qv[j] = (uint8_t)cv;
+    }
+}
+
+AB_INLINE void neon_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O, int sr)
+{
+    neon_hyper h;
+    neon_hyper_init(&h, &t->hyper);
+    uint64_t gi = (uint64_t)(t->offset + begin);
+    uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
+        neon_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr);
+}
+
+/* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */
+
+#define NEON_F32(G, O) neon_loop_flat(t, begin, end, G, O, AB_MOMENTS_F32, 0)
+#define NEON_BF16_SR(G, O) neon_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 1)
+#define NEON_BF16_RNE(G, O) neon_loop_flat(t, begin, end, G, O, AB_MOMENTS_BF16, 0)
+#define NEON_FP8_SR(G, O) neon_loop_fp8(t, begin, end, G, O, 1)
+#define NEON_FP8_RNE(G, O) neon_loop_fp8(t, begin, end, G, O, 0)
+
+AB_NOINLINE void neon_f32(const ab_tensor *t, int64_t begin, int64_t end)
+{
+    AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, NEON_F32)
+}
+AB_NOINLINE void neon_bf16(const ab_tensor *t, int64_t begin, int64_t end)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, NEON_BF16_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, NEON_BF16_RNE)
+    }
+}
+AB_NOINLINE void neon_fp8(const ab_tensor *t, int64_t begin, int64_t end)
+{
+    if (t->stochastic_rounding) {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, NEON_FP8_SR)
+    } else {
+        AB_SWITCH_DTYPES(t->grad_dtype, t->out_dtype, NEON_FP8_RNE)
+    }
+}
+
+void ab_update_neon(const ab_tensor *t, int64_t begin, int64_t end, int flags)
+{
+    (void)flags;
+    if (t->precision == AB_MOMENTS_F32)
+        neon_f32(t, begin, end);
+    else if (t->precision == AB_MOMENTS_BF16)
+        neon_bf16(t, begin, end);
+    else
+        neon_fp8(t, begin, end);
+}
+
+#undef NEON_F32
+#undef NEON_BF16_SR
+#undef NEON_BF16_RNE
+#undef NEON_FP8_SR
+#undef NEON_FP8_RNE
+
+#endif /* AB_HAVE_NEON */

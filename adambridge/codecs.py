@@ -27,6 +27,16 @@ def f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root.
+
+    NOTE: torch's vectorised float sqrt is not always correctly rounded (it differed in the
+    last bit from IEEE sqrt on ~1 in 8000 elements here), while C's sqrtf / vsqrtps are.
+    The fp64 root rounded to fp32 is exact-rounded (53 >= 2*24 + 2 bits), so use that.
+    """
+    return torch.sqrt(x.double()).float()
+
+
 # --------------------------------------------------------------------------- the hash
 
 def mix32(x: int) -> int:

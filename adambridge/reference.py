@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import codecs
+from .codecs import sqrt_f32
 
 if TYPE_CHECKING:  # pragma: no cover
     from .functional import UpdateItem
@@ -56,7 +57,7 @@ def update_range(item: "UpdateItem") -> None:
     m = m + g * h.one_minus_beta1
     v = v * h.beta2                              # v = beta2*v + (1-beta2)*g*g
     v = v + (g * g) * h.one_minus_beta2
-    s = torch.sqrt(v)
+    s = sqrt_f32(v)
     d = s / h.bc2_sqrt + h.eps                   # denom = sqrt(v)/sqrt(bc2) + eps
     p = p - h.step_size * (m / d)               # step_size = lr / bc1
     item.master.copy_(p)

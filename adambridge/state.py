@@ -124,7 +124,7 @@ def encode_moments(state: dict, m: torch.Tensor, v: torch.Tensor, precision: str
     state.pop("exp_avg_sq_scale", None)
     if precision == "fp8":
         codes_m, scale_m = codecs.fp8_encode_m(m, None)
-        codes_s, scale_s = codecs.fp8_encode_sqrt_v(torch.sqrt(v), None)
+        codes_s, scale_s = codecs.fp8_encode_sqrt_v(codecs.sqrt_f32(v), None)
         state["exp_avg"], state["exp_avg_scale"] = codes_m, scale_m
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = codes_s, scale_s
         return

@@ -61,6 +61,7 @@ PROTOTYPES = {
     "ab_pool_threads": (c_int, ()),
     "ab_pool_run": (c_int, (AB_TASK_FN, c_void_p)),
     "ab_first_touch": (c_int, (c_void_p, c_int64)),
+    "ab_memory_pass": (c_int, (POINTER(AbTensor), c_int64)),
     "ab_l2_cache_bytes": (c_int64, ()),
     "ab_strerror": (c_char_p, (c_int,)),
 }
@@ -246,6 +247,13 @@ def update(items) -> None:
     native = load()
     tensors = (AbTensor * len(items))(*(_ab_tensor(item) for item in items))
     native.adamw_update(tensors)
+
+
+def memory_pass(items) -> None:
+    """The bandwidth floor: stream over the items' buffers as an update would (scrambles them)."""
+    native = load()
+    tensors = (AbTensor * len(items))(*(_ab_tensor(item) for item in items))
+    native.check(native.lib.ab_memory_pass(tensors, len(tensors)), "ab_memory_pass")
 
 
 # -- the public knobs (each is None / empty / a no-op on the torch backend) -----------------------

@@ -99,6 +99,10 @@ AB_API int ab_pool_run(ab_task_fn fn, void *arg);
 /* Touch (write zero to) every page of [ptr, ptr+bytes) from the pool threads, each its share. */
 AB_API int ab_first_touch(void *ptr, int64_t bytes);
 
+/* The bandwidth floor (probe.c): one pass over the same buffers an update of these tensors
+ * reads and writes, with trivial integer work. Scrambles their contents. */
+AB_API int ab_memory_pass(const ab_tensor *tensors, int64_t count);
+
 /* L2 cache size in bytes as cpuid reports it (0 when unknown). */
 AB_API int64_t ab_l2_cache_bytes(void);
 

@@ -1,0 +1,124 @@
+/* probe.c: ab_memory_pass, the bandwidth floor the benchmarks compare the kernel against.
+ *
+ * It streams over exactly the buffers an update call would (read master, grad, m, v; write
+ * master, m, v and the copy) with trivial integer work, split over the same pool, so
+ * "kernel time / floor time" says how far the kernel is from the memory system's limit.
+ * It scrambles the buffers' contents: use it on scratch state only.
+ */
+#include "codecs.h"
+
+typedef struct {
+    const ab_tensor *tensors;
+    int64_t count;
+    int nthreads;
+} ab_probe_job;
+
+/* One typed pass: every stream read once and written once, as the kernel does. Typed loops
+ * so the compiler vectorises them; the work per element is a few integer ops. */
+#define AB_PROBE_LOOP(GT, MT)                                                   \
+    do {                                                                        \
+        const GT *g = (const GT *)t->grad;                                      \
+        MT *m = (MT *)t->exp_avg, *v = (MT *)t->exp_avg_sq;                     \
+        if (out) {                                                              \
+            for (int64_t i = lo; i < hi; i++) {                                 \
+                uint32_t pi = p[i] ^ (uint32_t)g[i];                            \
+                p[i] = pi;                                                      \
+                m[i] = (MT)(m[i] ^ (MT)g[i]);                                   \
+                v[i] = (MT)(v[i] ^ (MT)g[i]);                                   \
+                out[i] = (uint16_t)(pi >> 16);                                  \
+            }                                                                   \
+        } else {                                                                \
+            for (int64_t i = lo; i < hi; i++) {                                 \
+                p[i] ^= (uint32_t)g[i];                                         \
+                m[i] = (MT)(m[i] ^ (MT)g[i]);                                   \
+                v[i] = (MT)(v[i] ^ (MT)g[i]);                                   \
+            }                                                                   \
+        }                                                                       \
+    } while (0)
+
+#define AB_PROBE_MOMENTS(GT)                                                    \
+    do {                                                                        \
+        if (t->precision == AB_MOMENTS_F32) AB_PROBE_LOOP(GT, uint32_t);        \
+        else if (t->precision == AB_MOMENTS_BF16) AB_PROBE_LOOP(GT, uint16_t);  \
+        else AB_PROBE_LOOP(GT, uint8_t);                                        \
+    } while (0)
+
+static void ab_probe_scalar_head(const ab_tensor *t, int64_t lo, int64_t hi);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The benchmarks' layout (fp32 moments, 16-bit grad and copy) at full AVX2 width, with
+ * non-temporal stores for the write-only copy as the kernel uses: a floor worth the name. */
+__attribute__((target("avx2"))) static int64_t ab_probe_avx2(const ab_tensor *t, int64_t lo,
+                                                              int64_t hi)
+{
+    uint32_t *p = (uint32_t *)t->param, *m = (uint32_t *)t->exp_avg, *v = (uint32_t *)t->exp_avg_sq;
+    const uint16_t *g = (const uint16_t *)t->grad;
+    uint16_t *out = (uint16_t *)t->out;
+    int64_t i = lo;
+    while (i < hi && ((uintptr_t)(out + i) & 15))
+        i++;                                           /* scalar head until out is aligned */
+    ab_probe_scalar_head(t, lo, i);
+    for (; i + 8 <= hi; i += 8) {
+        __m256i g8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i)));
+        __m256i p8 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + i)), g8);
+        _mm256_storeu_si256((__m256i *)(p + i), p8);
+        _mm256_storeu_si256((__m256i *)(m + i),
+                            _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(m + i)), g8));
+        _mm256_storeu_si256((__m256i *)(v + i),
+                            _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(v + i)), g8));
+        __m256i hi16 = _mm256_srli_epi32(p8, 16);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi16),
+                                          _mm256_extracti128_si256(hi16, 1));
+        _mm_stream_si128((__m128i *)(out + i), packed);
+    }
+    _mm_sfence();
+    return i;
+}
+#endif
+
+static void ab_probe_range(const ab_tensor *t, int64_t lo, int64_t hi)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (t->precision == AB_MOMENTS_F32 && t->grad_dtype != AB_F32 && t->out
+        && t->out_dtype != AB_F32 && t->out_dtype != AB_NONE && __builtin_cpu_supports("avx2"))
+        lo = ab_probe_avx2(t, lo, hi);
+#endif
+    ab_probe_scalar_head(t, lo, hi);
+}
+
+static void ab_probe_scalar_head(const ab_tensor *t, int64_t lo, int64_t hi)
+{
+    uint32_t *p = (uint32_t *)t->param;
+    uint16_t *out = t->out_dtype == AB_BF16 || t->out_dtype == AB_F16 ? (uint16_t *)t->out : NULL;
+    if (t->grad_dtype == AB_F32)
+        AB_PROBE_MOMENTS(uint32_t);
+    else
+        AB_PROBE_MOMENTS(uint16_t);
+}
+
+static void ab_probe_task(void *arg, int index)
+{
+    const ab_probe_job *job = (const ab_probe_job *)arg;
+    for (int64_t k = 0; k < job->count; k++) {
+        const ab_tensor *t = &job->tensors[k];
+        int64_t lo = t->n * index / job->nthreads;
+        int64_t hi = t->n * (index + 1) / job->nthreads;
+        ab_probe_range(t, lo, hi);
+    }
+}
+
+AB_API int ab_memory_pass(const ab_tensor *tensors, int64_t count)
+{
+    if (count < 0 || (count > 0 && tensors == NULL))
+        return AB_EINVAL;
+    for (int64_t k = 0; k < count; k++) {
+        const ab_tensor *t = &tensors[k];
+        if (t->n < 0 || (t->n > 0 && (!t->param || !t->grad || !t->exp_avg || !t->exp_avg_sq)))
+            return AB_EINVAL;
+        if (t->grad_dtype < AB_F32 || t->grad_dtype > AB_F16)
+            return AB_EINVAL;
+    }
+    ab_probe_job job = {tensors, count, ab_pool_threads()};
+    return ab_pool_run(ab_probe_task, &job);
+}

@@ -1,0 +1,165 @@
+"""The native kernel against the torch backend, bit for bit, for every ISA this CPU runs."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from adambridge import AdamBridge, codecs
+from adambridge import state as host_state
+from adambridge._native import loader
+from adambridge.functional import Hyper, UpdateItem, adamw_update
+
+from conftest import native_available
+
+pytestmark = pytest.mark.skipif(os.environ.get("ADAMBRIDGE_DISABLE_NATIVE") == "1",
+                                reason="ADAMBRIDGE_DISABLE_NATIVE=1: the torch backend alone is tested")
+
+ISAS = ["scalar", "avx2", "avx512", "neon"]
+SIZES = [0, 1, 15, 16, 17, 4097]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if not native_available():
+        pytest.fail("the native kernel did not build; run python -m adambridge info")
+    native = loader.load()
+    index = ISAS.index(request.param)
+    if not native.lib.ab_isa_supported(index):
+        pytest.skip(f"this CPU (or this build) lacks {request.param}")
+    previous = native.lib.ab_isa_active()
+    assert native.lib.ab_set_isa(index) == 0
+    yield request.param
+    native.lib.ab_set_isa(previous)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request):
+    before = loader.num_threads()
+    loader.set_num_threads(request.param)
+    yield request.param
+    loader.set_num_threads(before)
+
+
+def _problem(numel, precision, grad_dtype, out_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=gen)
+    state = host_state.new_state(master, precision, alias=True)
+    grad = (torch.randn(numel, generator=gen) * 1e-2).to(grad_dtype)
+    out = None if out_dtype is None else torch.empty(numel, dtype=out_dtype)
+    return state, grad, out
+
+
+def _items(state, grad, out, precision, step, ranges, sr=True):
+    hyper = Hyper.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step)
+    items = []
+    for start, end in ranges:
+        blocks = slice(start // 128, -(-end // 128))
+        scale = {k: state[k][blocks] if k in state else None
+                 for k in ("exp_avg_scale", "exp_avg_sq_scale")}
+        items.append(UpdateItem(
+            master=state["master"][start:end], grad=grad[start:end],
+            exp_avg=state["exp_avg"][start:end], exp_avg_sq=state["exp_avg_sq"][start:end],
+            **scale, out=None if out is None else out[start:end], offset=start,
+            key=codecs.stream_key(9, step, 4), precision=precision, stochastic_rounding=sr,
+            hyper=hyper))
+    return items
+
+
+def _run(backend, numel, precision, grad_dtype, out_dtype, ranges, steps=3, sr=True):
+    state, grad, out = _problem(numel, precision, grad_dtype, out_dtype)
+    for step in range(1, steps + 1):
+        adamw_update(_items(state, grad, out, precision, step, ranges, sr), backend)
+    tensors = [state[k] for k in sorted(state) if k != "step"]
+    return tensors + ([out] if out is not None else [])
+
+
+def _assert_bitwise_equal(ours, ref):
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("numel", SIZES)
+def test_native_equals_torch_backend_bitwise(isa, threads, precision, numel):
+    for grad_dtype, out_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, None),
+                                  (torch.float16, torch.float16), (torch.float32, torch.float32)]:
+        whole = [(0, numel)]
+        ours = _run("native", numel, precision, grad_dtype, out_dtype, whole)
+        ref = _run("torch", numel, precision, grad_dtype, out_dtype, whole)
+        _assert_bitwise_equal(ours, ref)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_native_nearest_rounding_equals_torch_backend(isa, precision):
+    ours = _run("native", 4097, precision, torch.bfloat16, torch.bfloat16, [(0, 4097)], sr=False)
+    ref = _run("torch", 4097, precision, torch.bfloat16, torch.bfloat16, [(0, 4097)], sr=False)
+    _assert_bitwise_equal(ours, ref)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_native_large_tensor_and_chunkings_agree(isa, threads, precision):
+    numel = 3 * 2**20 + 5  # a 3M tensor: the pool split, non-temporal stores and a tail
+    whole = _run("native", numel, precision, torch.bfloat16, torch.bfloat16, [(0, numel)], steps=2)
+    for chunk in (128 * 1000, 2**20):
+        ranges = [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
+        chunked = _run("native", numel, precision, torch.bfloat16, torch.bfloat16, ranges, steps=2)
+        _assert_bitwise_equal(chunked, whole)
+    if isa == "avx2" or isa == "avx512":  # the torch backend once on the big tensor (slow)
+        ref = _run("torch", numel, precision, torch.bfloat16, torch.bfloat16, [(0, numel)], steps=2)
+        _assert_bitwise_equal(whole, ref)
+
+
+def test_native_many_small_tensors_in_one_call_equal_one_by_one(threads):
+    sizes = [(i * 37) % 300 + 1 for i in range(2000)]
+    def run(batched):
+        problems = [_problem(n, "bf16", torch.bfloat16, torch.bfloat16, seed=i)
+                    for i, n in enumerate(sizes)]
+        items = [_items(s, g, o, "bf16", 1, [(0, g.numel())])[0] for s, g, o in problems]
+        if batched:
+            adamw_update(items, "native")
+        else:
+            for item in items:
+                adamw_update([item], "torch")
+        return [t for s, g, o in problems for t in (s["master"], s["exp_avg"], o)]
+    _assert_bitwise_equal(run(True), run(False))
+
+
+def test_hash_agrees_with_the_torch_twin():
+    lib = loader.load().lib
+    assert lib.ab_mix32(1) == codecs.mix32(1) == 0x688990C0
+    for key, index in [(0x12345678, 5), (1, 2**32 + 3), (0xFFFFFFFF, 2**40 + 17)]:
+        assert lib.ab_hash(key, index) == codecs.element_hash(key, index, 1).item()
+
+
+def test_native_rejects_misaligned_fp8_range_without_touching_memory():
+    state, grad, out = _problem(300, "fp8", torch.bfloat16, torch.bfloat16)
+    before = {k: v.clone() for k, v in state.items()}
+    items = _items(state, grad, out, "fp8", 1, [(0, 128), (128, 300)])
+    items[1].offset = 100  # not a block start: the C validation must refuse the whole call
+    with pytest.raises(RuntimeError, match=r"ab_adamw_update failed: .*\(status -2\)"):
+        adamw_update(items, "native")
+    for key, value in before.items():
+        assert torch.equal(value, state[key])
+
+
+def test_optimizer_reports_the_forced_isa(isa):
+    opt = AdamBridge([torch.nn.Parameter(torch.zeros(3))], backend="native")
+    assert opt.backend == f"native/{isa}"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler named cc")
+def test_c_selftest_builds_with_one_command_and_passes(tmp_path):
+    # The README's command, verbatim apart from the output path.
+    exe = tmp_path / "selftest"
+    subprocess.run(["cc", "-O2", "-pthread", "-o", str(exe), "tests/native/selftest.c", "-lm"],
+                   cwd=REPO, check=True)
+    result = subprocess.run([str(exe)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert " 0 failed" in result.stdout

@@ -6,6 +6,7 @@ Integer work is done in int64 and masked to 32 bits, so no intermediate can over
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 
 import torch
 
@@ -50,12 +51,16 @@ def mix32(x: int) -> int:
     return x
 
 
-def stream_key(seed: int, step: int, param_index: int) -> int:
-    """The per-(seed, step, parameter) key that all of a tensor's random bits derive from."""
+@lru_cache(maxsize=64)
+def _step_key(seed: int, step: int) -> int:
     key = mix32((seed & MASK32) ^ _GOLDEN)
     key = mix32(key ^ ((seed >> 32) & MASK32))
-    key = mix32(key ^ (step & MASK32))
-    return mix32(key ^ (param_index & MASK32))
+    return mix32(key ^ (step & MASK32))
+
+
+def stream_key(seed: int, step: int, param_index: int) -> int:
+    """The per-(seed, step, parameter) key that all of a tensor's random bits derive from."""
+    return mix32(_step_key(seed, step) ^ (param_index & MASK32))
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ chunk or, later, a shard); the optimizer and the pipeline build them, this modul
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -34,19 +35,25 @@ class Hyper:
     @classmethod
     def for_step(cls, *, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, step: int) -> "Hyper":
-        # Same double-precision expressions as torch.optim.AdamW, rounded once to fp32.
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        return cls(
-            beta1=f32(beta1),
-            beta2=f32(beta2),
-            one_minus_beta1=f32(1 - beta1),
-            one_minus_beta2=f32(1 - beta2),
-            decay=f32(1 - lr * weight_decay),
-            step_size=f32(lr / bias_correction1),
-            bc2_sqrt=f32(math.sqrt(bias_correction2)),
-            eps=f32(eps),
-        )
+        """The scalars of one step (cached: every parameter of a group shares them)."""
+        return _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step)
+
+
+@lru_cache(maxsize=256)
+def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:
+    # Same double-precision expressions as torch.optim.AdamW, rounded once to fp32.
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    return cls(
+        beta1=f32(beta1),
+        beta2=f32(beta2),
+        one_minus_beta1=f32(1 - beta1),
+        one_minus_beta2=f32(1 - beta2),
+        decay=f32(1 - lr * weight_decay),
+        step_size=f32(lr / bias_correction1),
+        bc2_sqrt=f32(math.sqrt(bias_correction2)),
+        eps=f32(eps),
+    )
 
 
 @dataclass

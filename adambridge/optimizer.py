@@ -267,18 +267,23 @@ class AdamBridge(torch.optim.Optimizer):
         The state is sliced (fp8 scales per 128-block; start is a multiple of 128), and the
         item's offset is ``start``, so a chunk draws the same rounding bits as the whole.
         """
-        end = start + grad.numel()
+        numel = grad.numel()
         beta1, beta2 = group["betas"]
         hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"], step=step)
         if _can_alias_master(p):
             state["master"] = p.detach().view(-1)
-        first_block, end_block = start // FP8_BLOCK, -(-end // FP8_BLOCK)
-        scales = {k: state[k][first_block:end_block] if k in state else None
-                  for k in ("exp_avg_scale", "exp_avg_sq_scale")}
+        views = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+        if start == 0 and numel == state["master"].numel():
+            ranged = {k: state.get(k) for k in views}  # the whole parameter: no slicing
+        else:
+            end = start + numel
+            first_block, end_block = start // FP8_BLOCK, -(-end // FP8_BLOCK)
+            ranged = {k: state[k][start:end] for k in views[:3]}
+            ranged.update({k: state[k][first_block:end_block] if k in state else None
+                           for k in views[3:]})
         return UpdateItem(
-            master=state["master"][start:end], grad=grad, exp_avg=state["exp_avg"][start:end],
-            exp_avg_sq=state["exp_avg_sq"][start:end], **scales, out=out, offset=start,
+            **ranged, grad=grad, out=out, offset=start,
             key=stream_key(self.seed, step, self._param_index[p]),
             precision=host_state.precision_of(state), stochastic_rounding=self.stochastic_rounding,
             hyper=hyper)

@@ -137,46 +137,48 @@ AB_INLINE void avx2_store_out(void *out, int64_t i, __m256 p, int dtype, int nt)
         _mm_storeu_si128(dst, h);
 }
 
-/* fp8 decode of 8 codes (sign included), exact:
- * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
-AB_INLINE __m256 avx2_fp8_decode(const uint8_t *src, int emin, int mbits)
+/* fp8 decode through F16C, exact. An E5M2 code is the top byte of the fp16 with the same
+ * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
+ * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
+ * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
+ * and h * (256 * scale) round the same product once. Codes past the largest finite one
+ * decode by the formula in the scalar code but not here (E5M2 E == 31 is an fp16 inf/NaN):
+ * blocks holding them, never written by the encoder, take the scalar path. */
+AB_INLINE __m256 avx2_e5m2_decode(__m128i c)   /* the 8 codes in the low 8 bytes */
 {
-    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
-    __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
-    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag),
-                               _mm256_set1_ps(ab_as_f32((uint32_t)(127 + emin - mbits) << 23)));
-    __m256i nrm = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - mbits),
-                                   _mm256_set1_epi32((emin + 126) << 23));
-    __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << mbits), mag);
-    __m256 x = _mm256_blendv_ps(_mm256_castsi256_ps(nrm), sub, _mm256_castsi256_ps(is_sub));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_or_ps(x, _mm256_castsi256_ps(sign));
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), c));
 }
 
-/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
-AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i r16)
+AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
 {
-    /* e = exponent_field(x) - 127 */
-    __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(x), 23),
-                                 _mm256_set1_epi32(127));
-    /* ee = max(e, emin) */
-    __m256i ee = _mm256_max_epi32(e, _mm256_set1_epi32(emin));
-    /* 1/q = 2^(mbits - ee) */
+    /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
+    __m128i h = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), c), 1);
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+}
+
+/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
+ * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
+ *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
+ *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
+ *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
+ *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
+ *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
+ *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
+ *   code = (d << mbits) + y. */
+AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256 r16)
+{
+    int sh = sr ? 16 : 0;
+    /* d << 23, d = max(e, emin) - emin */
+    __m256i w = _mm256_subs_epu16(_mm256_castps_si256(x), _mm256_set1_epi32((127 + emin) << 23));
+    __m256i d23 = _mm256_and_si256(w, _mm256_set1_epi32((int)0xff800000u));
+    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
     __m256 inv_q = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127 + mbits), ee), 23));
-    /* t = x * (1/q) */
+        _mm256_sub_epi32(_mm256_set1_epi32((127 + mbits + sh - emin) << 23), d23));
     __m256 t = _mm256_mul_ps(x, inv_q);
-    __m256i y;
-    if (sr) {
-        /* y = floor(t + u), u = r16 * 2^-16 */
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(r16), _mm256_set1_ps(1.52587890625e-5f));
-        y = _mm256_cvttps_epi32(_mm256_add_ps(t, u));
-    } else {
-        /* y = rint(t) */
-        y = _mm256_cvttps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
+    /* y = floor(t + u) or y = rint(t) */
+    __m256i y = sr ? _mm256_cvttps_epi32(_mm256_add_ps(t, r16)) : _mm256_cvtps_epi32(t);
     /* code = ((ee - emin) << mbits) + y */
-    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_sub_epi32(ee, _mm256_set1_epi32(emin)), mbits), y);
+    return _mm256_add_epi32(y, _mm256_srli_epi32(d23, 23 - mbits - sh));
 }
 
 /* ---- fp32 and bf16 moments ------------------------------------------------------------- */
@@ -239,6 +241,27 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
+/* Whether the block must take the scalar path: its v codes hold an E5M2 exponent of 31, or
+ * 256 * scale_m overflows (see avx2_e4m3_decode_div256). Neither is ever written. */
+AB_INLINE int avx2_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
+{
+    uint32_t s = ab_as_u32(scale_m) & 0x7fffffffu;
+    if (s >= 0x7b800000u && s < 0x7f800000u)           /* 2^120 <= |scale_m| < inf */
+        return 1;
+    int64_t j = 0;
+    __m256i acc = _mm256_setzero_si256();
+    for (; j + 32 <= n; j += 32) {                     /* max of (code << 1) & 0xff */
+        __m256i c = _mm256_loadu_si256((const __m256i *)(qv + j));
+        acc = _mm256_max_epu8(acc, _mm256_add_epi8(c, c));
+    }
+    /* E == 31 <=> (code << 1) & 0xff >= 0xf8 */
+    __m256i hit = _mm256_cmpeq_epi8(_mm256_max_epu8(acc, _mm256_set1_epi8((char)0xf8)), acc);
+    int odd = !_mm256_testz_si256(hit, hit);
+    for (; j < n; j++)
+        odd |= (qv[j] & 0x7cu) == 0x7cu;
+    return odd;
+}
+
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
 AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t n,
                               __m256i kh, int G, int O, int sr, int nt)
@@ -249,7 +272,11 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
-    __m256 sm = _mm256_set1_ps(*scale_m), sv = _mm256_set1_ps(*scale_v);
+    if (avx2_fp8_block_odd(qv, n, *scale_m)) {
+        ab_update_scalar(t, b0, b0 + n, 0);
+        return;
+    }
+    __m256 sm = _mm256_set1_ps(*scale_m * 256.0f), sv = _mm256_set1_ps(*scale_v);
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 vmax_m = _mm256_setzero_ps(), vmax_s = _mm256_setzero_ps();
     int64_t j = 0;
@@ -258,9 +285,9 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
         __m256 p = _mm256_loadu_ps(pp + i);
         __m256 g = avx2_load_grad(t->grad, i, G);
         /* m = dec_e4m3(qm) * scale_m */
-        __m256 m = _mm256_mul_ps(avx2_fp8_decode(qm + j, AB_E4M3_EMIN, AB_E4M3_MBITS), sm);
+        __m256 m = _mm256_mul_ps(avx2_e4m3_decode_div256(_mm_loadl_epi64((const __m128i *)(qm + j))), sm);
         /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
-        __m256 s = _mm256_mul_ps(avx2_fp8_decode(qv + j, AB_E5M2_EMIN, AB_E5M2_MBITS), sv);
+        __m256 s = _mm256_mul_ps(avx2_e5m2_decode(_mm_loadl_epi64((const __m128i *)(qv + j))), sv);
         __m256 v = _mm256_mul_ps(s, s);
         s = avx2_adamw(h, &p, g, &m, &v);
         _mm256_storeu_ps(pp + i, p);
@@ -271,14 +298,14 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
         _mm256_store_ps(mbuf + j, m);
         _mm256_store_ps(sbuf + j, s);
     }
-    AB_ALIGN64 float lanes_m[8], lanes_s[8];
-    _mm256_store_ps(lanes_m, vmax_m);
-    _mm256_store_ps(lanes_s, vmax_s);
-    float amax_m = 0.0f, amax_s = 0.0f;
-    for (int k = 0; k < 8; k++) {
-        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
-        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
-    }
+    /* the lanes' maxima (none is NaN or -0, so any order gives the scalar loop's result):
+     * [amax_m, amax_s] in lanes 0 and 4 */
+    __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(vmax_m, vmax_s, 0x20),
+                              _mm256_permute2f128_ps(vmax_m, vmax_s, 0x31));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+    float amax_m = _mm256_cvtss_f32(mx);
+    float amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
     for (; j < n; j++) {                               /* tail: the scalar lines */
         int64_t i = b0 + j;
         float g = ab_load_grad(t->grad, i, G);
@@ -293,34 +320,49 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
         mbuf[j] = m;
         sbuf[j] = s;
     }
-    *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
-    *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
-    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
-    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
-    __m256 vinv_m = _mm256_set1_ps(inv_m), vinv_v = _mm256_set1_ps(inv_v);
+    /* scale_m = amax_m / 448; scale_v = amax_s / 57344;
+     * inv_m = amax_m > 0 ? 448 / amax_m : 0; inv_v = amax_s > 0 ? 57344 / amax_s : 0
+     * (one divps for the four quotients) */
+    __m128 num = _mm_setr_ps(amax_m, amax_s, AB_E4M3_MAX, AB_E5M2_MAX);
+    __m128 den = _mm_setr_ps(AB_E4M3_MAX, AB_E5M2_MAX, amax_m, amax_s);
+    __m128 q = _mm_and_ps(_mm_div_ps(num, den), _mm_cmpgt_ps(den, _mm_setzero_ps()));
+    _mm_store_ss(scale_m, q);
+    _mm_store_ss(scale_v, _mm_shuffle_ps(q, q, 1));
+    __m256 vinv_m = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 2));
+    __m256 vinv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
+    float inv_m = _mm256_cvtss_f32(vinv_m), inv_v = _mm256_cvtss_f32(vinv_v);
     __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX2_IOTA);
-    /* bytes 0-3 and 8-11 of the packed codes are m's, 4-7 and 12-15 v's */
-    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
+    const int cb = sr ? 2 : 0;
+    const __m256i pick_m = _mm256_setr_epi8(cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick_v = _mm256_setr_epi8(-1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1);
     for (j = 0; j + 8 <= n; j += 8) {
         __m256 m = _mm256_load_ps(mbuf + j), s = _mm256_load_ps(sbuf + j);
-        __m256i r = sr ? avx2_mix32(_mm256_xor_si256(kh, idx)) : _mm256_setzero_si256();
-        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        __m256 um = _mm256_setzero_ps(), uv = _mm256_setzero_ps();
+        if (sr) {
+            /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+            __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
+            um = _mm256_cvtepi32_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+            uv = _mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16));
+            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        }
         /* x_m = min(|m| * inv_m, 448) */
         __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), vinv_m),
                                   _mm256_set1_ps(AB_E4M3_MAX));
         /* x_v = min(s * inv_v, 57344) */
         __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, vinv_v), _mm256_set1_ps(AB_E5M2_MAX));
-        __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
-                                     _mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
-        __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, _mm256_srli_epi32(r, 16));
+        __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
+        __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
         /* sign bit when m < 0 */
         __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
-        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
-        __m256i w = _mm256_packus_epi32(cm, cv);       /* u16: m0-3 v0-3 | m4-7 v4-7 */
-        __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-        b = _mm_shuffle_epi8(b, order);                /* m0-7 | v0-7 */
-        _mm_storel_epi64((__m128i *)(qm + j), b);
-        _mm_storel_epi64((__m128i *)(qv + j), _mm_unpackhi_epi64(b, b));
+        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80 << (8 * cb))));
+        /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
+        __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
+        __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        _mm_storel_epi64((__m128i *)(qm + j), mv);
+        _mm_storeh_pd((double *)(qv + j), _mm_castsi128_pd(mv));
     }
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;

@@ -1,0 +1,346 @@
+"""python -m adambridge demo: fine-tune a small byte-level GPT with AdamBridge and its peers.
+
+The experiment of the README's "Fine-tuning a real LLM", made to need no download. A small
+GPT is first pretrained (shared, once, fp32 AdamW at a pretraining learning rate) on the
+standard library's source; every configuration then fine-tunes those same weights on the
+same batches at a fine-tuning learning rate, where an AdamW update is smaller than half a
+bf16 ulp of most weights. Without an fp32 master (BF16-only AdamW) such updates round away.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import demo_model as dm
+from . import demo_report as report_mod
+from .demo_memory import MemoryProbe
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Model size, batch shape and schedule of one demo size."""
+    width: int
+    layers: int
+    heads: int
+    ctx: int
+    batch: int
+    steps: int           # fine-tuning steps per configuration
+    pretrain_steps: int  # shared pretraining steps, run once
+    pretrain_lr: float
+    lr: float            # peak fine-tuning learning rate
+    eval_windows: int    # validation sequences
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup: float = 0.1  # fraction of the steps spent warming up, then cosine decay to 0
+
+
+PRESETS = {
+    "tiny": Preset(width=32, layers=1, heads=2, ctx=32, batch=4, steps=12, pretrain_steps=12,
+                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8),
+    "small": Preset(width=96, layers=2, heads=4, ctx=64, batch=16, steps=250, pretrain_steps=300,
+                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64),
+    "gpu": Preset(width=512, layers=8, heads=8, ctx=256, batch=32, steps=600,
+                  pretrain_steps=1500, pretrain_lr=1e-3, lr=3e-5, eval_windows=512),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One optimizer configuration: how the weights are stored and who updates them."""
+    name: str
+    label: str
+    weights: torch.dtype
+    optimizer: str                  # "adamw" (torch.optim.AdamW) or "adambridge"
+    precision: Optional[str] = None  # AdamBridge moment precision
+
+
+CONFIGS = {c.name: c for c in [
+    Config("reference", "AdamW, fp32 weights", torch.float32, "adamw"),
+    Config("adambridge-fp32", "AdamBridge fp32 moments", torch.bfloat16, "adambridge", "fp32"),
+    Config("adambridge-bf16", "AdamBridge bf16 moments", torch.bfloat16, "adambridge", "bf16"),
+    Config("adambridge-fp8", "AdamBridge fp8 moments", torch.bfloat16, "adambridge", "fp8"),
+    Config("bf16-only", "BF16-only AdamW", torch.bfloat16, "adamw"),
+]}
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything the runs share: data, initial weights, device and hyperparameters."""
+    preset: Preset
+    steps: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    train: torch.Tensor
+    windows: torch.Tensor
+    init_state: dict
+    seed: int
+    below_half_ulp: Optional[float] = None  # share of weights where an update of lr rounds away
+
+
+def lr_lambda(steps: int, warmup: float):
+    """Linear warm-up over the first `warmup` fraction of the steps, then cosine decay to 0."""
+    warm = max(1, round(warmup * steps))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+    return factor
+
+
+def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
+                   seed: int) -> tuple[Any, str, str]:
+    """The optimizer for a configuration, its mode ("sync"/"async") and its backend."""
+    hyper = dict(lr=preset.lr, betas=preset.betas, weight_decay=preset.weight_decay)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), **hyper), "sync", "torch"
+    from .optimizer import AdamBridge
+    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
+    backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
+    if not hasattr(opt, "attach_hooks"):
+        return opt, "sync", backend
+    try:
+        opt.attach_hooks(model)
+    except Exception as exc:  # async mode unavailable here (e.g. not implemented): use step()
+        print(f"adambridge demo: {config.name}: attach_hooks failed ({exc}); using step()")
+        return opt, "sync", backend
+    return opt, "async", backend
+
+
+def state_bytes_per_param(opt: Any, numel: int) -> float:
+    """Bytes the optimizer holds per parameter (AdamBridge: its host state)."""
+    if hasattr(opt, "host_state_bytes"):
+        return opt.host_state_bytes() / numel
+    nbytes = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return nbytes / numel
+
+
+def build_model(setup: Setup, weights: torch.dtype) -> dm.TinyGPT:
+    p = setup.preset
+    model = dm.TinyGPT(p.width, p.layers, p.heads, p.ctx)
+    model.load_state_dict(setup.init_state)
+    model = model.to(setup.device, weights)
+    model.compute_dtype = setup.compute_dtype
+    return model
+
+
+def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar,
+                on_eval=None) -> tuple[list[float], list[float]]:
+    """Run the optimizer over the given batches; returns per-step losses and times (s)."""
+    # NOTE: the schedule is written into param_groups directly (what an LR scheduler does):
+    # in async mode there is no opt.step() for torch's schedulers to count.
+    factor = lr_lambda(len(starts), setup.preset.warmup)
+    base_lr = [group["lr"] for group in opt.param_groups]
+    cuda = setup.device.type == "cuda"
+    losses, times = [], []
+    for step, batch_starts in enumerate(starts):
+        seqs = dm.gather(setup.train, batch_starts, setup.preset.ctx).to(setup.device)
+        for group, lr in zip(opt.param_groups, base_lr):
+            group["lr"] = lr * factor(step)
+        t0 = time.perf_counter()
+        loss = dm.lm_loss(model, seqs)
+        loss.backward()
+        opt.step_sync() if mode == "async" else opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        bar.update(1)
+        if on_eval is not None:
+            on_eval(step + 1)
+    return losses, times
+
+
+def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
+    """Fine-tune the shared initial weights with one configuration; returns its results."""
+    started = time.perf_counter()
+    probe = MemoryProbe(setup.device)
+    probe.start()
+    model = build_model(setup, config.weights)
+    opt, mode, backend = make_optimizer(config, model, setup.preset, setup.seed)
+    batch = setup.preset.batch
+    val_curve = [(0, dm.evaluate(model, setup.windows, batch, setup.device))]
+    every = max(1, setup.steps // 10)
+
+    def on_eval(step: int) -> None:
+        if step % every == 0 or step == setup.steps:
+            val_curve.append((step, dm.evaluate(model, setup.windows, batch, setup.device)))
+
+    starts = dm.batch_starts(len(setup.train), setup.preset.ctx, batch, setup.steps, data_seed)
+    losses, times = train_steps(model, opt, mode, setup, starts, bar, on_eval)
+    memory = probe.stop()
+    numel = sum(p.numel() for p in model.parameters())
+    result = dict(
+        config=config.name, label=config.label, data_seed=data_seed, mode=mode, backend=backend,
+        weights=str(config.weights).replace("torch.", ""),
+        start_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
+        val_curve=val_curve, train_curve=losses,
+        bf16_changed=dm.bf16_changed_fraction(setup.init_state, model.state_dict()),
+        ms_per_step=1000 * statistics.median(times),
+        state_bytes_per_param=state_bytes_per_param(opt, numel), **memory,
+        seconds=round(time.perf_counter() - started, 1))
+    _release(opt)
+    return result
+
+
+def _release(opt: Any) -> None:
+    for name in ("detach_hooks", "close"):
+        if callable(getattr(opt, name, None)):
+            getattr(opt, name)()
+            break
+
+
+# ---------------------------------------------------------------------------- the experiment
+
+def pretrain(setup: Setup, bar) -> dict:
+    """Shared pretraining with fp32 AdamW; returns the fp32 weights every configuration starts from."""
+    p = setup.preset
+    model = build_model(setup, torch.float32)
+    if p.pretrain_steps == 0:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    hyper = dict(lr=p.pretrain_lr, betas=(0.9, 0.95), weight_decay=p.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), **hyper)
+    # NOTE: a data order of its own, so pretraining batches do not repeat fine-tuning batches.
+    starts = dm.batch_starts(len(setup.train), p.ctx, p.batch, p.pretrain_steps, setup.seed + 10_000)
+    train_steps(model, opt, "sync", setup, starts, bar)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def prepare(args: argparse.Namespace, preset: Preset, device: torch.device) -> tuple[Setup, str]:
+    """Load and split the text, build the initial model; returns the setup and the text's source."""
+    tokens, source = dm.load_corpus(args.text)
+    train, val = dm.split_tokens(tokens)
+    windows = dm.val_windows(val, preset.ctx, preset.eval_windows)
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    init = dm.TinyGPT(preset.width, preset.layers, preset.heads, preset.ctx).state_dict()
+    setup = Setup(preset=preset, steps=args.steps or preset.steps, device=device,
+                  compute_dtype=compute, train=train, windows=windows, init_state=init,
+                  seed=args.seed)
+    return setup, source
+
+
+def run_all(setup: Setup, configs: list[Config], noise_runs: int) -> list[dict]:
+    """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
+    plan = [(c, setup.seed, False) for c in configs]
+    if "reference" in [c.name for c in configs]:
+        plan += [(CONFIGS["reference"], setup.seed + k, True) for k in range(1, noise_runs + 1)]
+    bar = report_mod.progress_bar(setup.preset.pretrain_steps + len(plan) * setup.steps)
+    try:
+        bar.set_description("pretraining (shared)")
+        setup.init_state = pretrain(setup, bar)
+        setup.below_half_ulp = dm.below_half_ulp_fraction(setup.init_state, setup.preset.lr)
+        runs = []
+        for config, data_seed, noise in plan:
+            bar.set_description(config.name + (f" (order {data_seed})" if noise else ""))
+            run = run_config(setup, config, data_seed, bar)
+            if noise:
+                run.update(noise_run=True, label=f"{config.label}, data order {data_seed}")
+            runs.append(run)
+    finally:
+        bar.close()
+    return runs
+
+
+def noise_band(runs: list[dict]) -> Optional[float]:
+    """Largest move of the reference's final loss under other data orders (None without any)."""
+    ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
+    others = [r["final_val_loss"] for r in runs if r.get("noise_run")]
+    if ref is None or not others:
+        return None
+    return max(abs(x - ref["final_val_loss"]) for x in others)
+
+
+# ---------------------------------------------------------------------------- command line
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m adambridge demo", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpu on a GPU, else small)")
+    ap.add_argument("--steps", type=int, help="fine-tuning steps per configuration (default: the preset's)")
+    ap.add_argument("--pretrain-steps", type=int, help="shared pretraining steps (default: the preset's)")
+    ap.add_argument("--lr", type=float, help="peak fine-tuning learning rate (default: the preset's)")
+    ap.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    ap.add_argument("--text", metavar="FILE", help="train on this file instead of the standard library")
+    ap.add_argument("--out", metavar="DIR", help="report folder (default: ./adambridge-demo-<time>)")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    ap.add_argument("--noise-runs", type=int, default=2,
+                    help="re-run the reference with this many other data orders (default 2)")
+    ap.add_argument("--seed", type=int, default=0, help="weights and data-order seed (default 0)")
+    args = ap.parse_args(list(argv))
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s): {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    for name in ("steps", "pretrain_steps", "noise_runs"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "steps" else 0):
+            ap.error(f"Invalid --{name.replace('_', '-')}: {value}")
+    return args
+
+
+def pick_device(requested: Optional[str]) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_preset(args: argparse.Namespace, device: torch.device) -> Preset:
+    preset = PRESETS[args.preset or ("gpu" if device.type == "cuda" else "small")]
+    changes = {k: v for k, v in [("pretrain_steps", args.pretrain_steps), ("lr", args.lr)]
+               if v is not None}
+    return dataclasses.replace(preset, **changes)
+
+
+def describe(setup: Setup, args: argparse.Namespace, source: str) -> dict:
+    p = setup.preset
+    numel = sum(v.numel() for v in setup.init_state.values())
+    device = str(setup.device)
+    if setup.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(setup.device)})"
+    return dict(
+        model=f"byte-level GPT, {p.layers} x {p.width} ({numel:,} parameters)",
+        preset=args.preset or ("gpu" if setup.device.type == "cuda" else "small"),
+        device=device, compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
+        text=source, train_bytes=len(setup.train), val_sequences=len(setup.windows),
+        steps=setup.steps, batch=p.batch, ctx=p.ctx, lr=p.lr, pretrain_steps=p.pretrain_steps,
+        pretrain_lr=p.pretrain_lr, weight_decay=p.weight_decay, betas=list(p.betas),
+        warmup=p.warmup, schedule="linear warm-up, cosine decay to 0", seed=setup.seed,
+        lr_below_half_bf16_ulp=setup.below_half_ulp,
+        noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def _start_loss(runs: list[dict]) -> float:
+    ref = [r for r in runs if r["config"] == "reference"]
+    return (ref or runs)[0]["start_val_loss"]
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    preset = pick_preset(args, device)
+    out = Path(args.out or f"adambridge-demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    setup, source = prepare(args, preset, device)
+    configs = [CONFIGS[c] for c in args.configs.split(",")]
+    print(f"adambridge demo: {len(configs)} configurations + {args.noise_runs} noise runs "
+          f"on {device}; text: {source}")
+    t0 = time.perf_counter()
+    runs = run_all(setup, configs, args.noise_runs)
+    report = dict(setup=describe(setup, args, source), runs=runs, noise_band=noise_band(runs),
+                  start_val_loss=_start_loss(runs),
+                  wall_seconds=round(time.perf_counter() - t0, 1))
+    report["table"] = report_mod.format_table(report)
+    print(report["table"])
+    report_mod.write_json(report, out / "report.json")
+    why_not = report_mod.write_plot(report, out / "loss_curves.png")
+    print(f"report: {out / 'report.json'}" + (f"; {why_not}" if why_not else f", plot: {out / 'loss_curves.png'}"))
+    return 0

@@ -74,6 +74,9 @@ def test_cli_demo_forwards_arguments(monkeypatch):
     fake = types.ModuleType("adambridge.demo")
     fake.main = lambda argv: seen.append(argv) or 0
     monkeypatch.setitem(sys.modules, "adambridge.demo", fake)
+    # `from . import demo` prefers the package attribute, set once any test imported it.
+    import adambridge
+    monkeypatch.setattr(adambridge, "demo", fake, raising=False)
     assert cli.main(["demo", "--steps", "3", "--help-me"]) == 0
     assert seen == [["--steps", "3", "--help-me"]]
 

@@ -262,7 +262,111 @@ AB_INLINE int avx2_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
     return odd;
 }
 
-/* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
+/* A block between its two passes: where its codes go, the kept m and s, 1/scale. */
+typedef struct {
+    uint8_t *qm, *qv;
+    float *mbuf, *sbuf;
+    __m256 inv_m, inv_v;
+    __m256i idx;             /* lo32 of the global indices of the next 8 elements to encode */
+} avx2_fp8_pending;
+
+/* Pass 1 on 8 elements j..j+7 of the block at b0: decode, update, keep m and s, track the
+ * absmax. sm holds 256 * scale_m (see avx2_e4m3_decode_div256). */
+AB_INLINE void avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
+                                __m256 sm, __m256 sv, float *mbuf, float *sbuf, __m256 *vmax_m,
+                                __m256 *vmax_s, int G, int O, int nt)
+{
+    int64_t i = b0 + j;
+    float *pp = t->param;
+    const uint8_t *qm = (const uint8_t *)t->exp_avg + i, *qv = (const uint8_t *)t->exp_avg_sq + i;
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 p = _mm256_loadu_ps(pp + i);
+    __m256 g = avx2_load_grad(t->grad, i, G);
+    /* m = dec_e4m3(qm) * scale_m */
+    __m256 m = _mm256_mul_ps(avx2_e4m3_decode_div256(_mm_loadl_epi64((const __m128i *)qm)), sm);
+    /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
+    __m256 s = _mm256_mul_ps(avx2_e5m2_decode(_mm_loadl_epi64((const __m128i *)qv)), sv);
+    __m256 v = _mm256_mul_ps(s, s);
+    s = avx2_adamw(h, &p, g, &m, &v);
+    _mm256_storeu_ps(pp + i, p);
+    avx2_store_out(t->out, i, p, O, nt);
+    /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
+    *vmax_m = _mm256_max_ps(_mm256_and_ps(m, abs_mask), *vmax_m);
+    *vmax_s = _mm256_max_ps(s, *vmax_s);
+    _mm256_store_ps(mbuf + j, m);
+    _mm256_store_ps(sbuf + j, s);
+}
+
+/* The block's new scales from its absmax; fills in 1/scale for the encode. */
+AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scale_v,
+                                float amax_m, float amax_s)
+{
+    /* scale_m = amax_m / 448; scale_v = amax_s / 57344;
+     * inv_m = amax_m > 0 ? 448 / amax_m : 0; inv_v = amax_s > 0 ? 57344 / amax_s : 0
+     * (one divps for the four quotients) */
+    __m128 num = _mm_setr_ps(amax_m, amax_s, AB_E4M3_MAX, AB_E5M2_MAX);
+    __m128 den = _mm_setr_ps(AB_E4M3_MAX, AB_E5M2_MAX, amax_m, amax_s);
+    __m128 q = _mm_and_ps(_mm_div_ps(num, den), _mm_cmpgt_ps(den, _mm_setzero_ps()));
+    _mm_store_ss(scale_m, q);
+    _mm_store_ss(scale_v, _mm_shuffle_ps(q, q, 1));
+    b->inv_m = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 2));
+    b->inv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
+}
+
+/* The absmax of the 8 lanes of vmax_m and of vmax_s (none is NaN or -0, so any order gives
+ * the scalar loop's result). */
+AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float *amax_s)
+{
+    /* [m lanes 0-3, s lanes 0-3] max [m lanes 4-7, s lanes 4-7], then within each half */
+    __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(vmax_m, vmax_s, 0x20),
+                              _mm256_permute2f128_ps(vmax_m, vmax_s, 0x31));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+    *amax_m = _mm256_cvtss_f32(mx);
+    *amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
+}
+
+/* Pass 2 on 8 elements j..j+7 of a rescaled block: encode m and s, store the codes. */
+AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+{
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
+    const int cb = sr ? 2 : 0;
+    const __m256i pick_m = _mm256_setr_epi8(
+        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick_v = _mm256_setr_epi8(
+        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1,
+        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
+    __m256 um = _mm256_setzero_ps(), uv = _mm256_setzero_ps();
+    if (sr) {
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+        __m256i r = avx2_mix32(_mm256_xor_si256(kh, b->idx));
+        um = _mm256_cvtepi32_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
+        uv = _mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16));
+        b->idx = _mm256_add_epi32(b->idx, _mm256_set1_epi32(8));
+    }
+    /* x_m = min(|m| * inv_m, 448) */
+    __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
+                              _mm256_set1_ps(AB_E4M3_MAX));
+    /* x_v = min(s * inv_v, 57344) */
+    __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, b->inv_v), _mm256_set1_ps(AB_E5M2_MAX));
+    __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
+    __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
+    /* sign bit when m < 0 */
+    __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
+    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg),
+                                              _mm256_set1_epi32(0x80 << (8 * cb))));
+    /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
+    __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
+    __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)(b->qm + j), mv);
+    _mm_storeh_pd((double *)(b->qv + j), _mm_castsi128_pd(mv));
+}
+
+/* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;
+ * the elements past the last multiple of 8 take the scalar lines. */
 AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t n,
                               __m256i kh, int G, int O, int sr, int nt)
 {
@@ -272,40 +376,13 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
-    if (avx2_fp8_block_odd(qv, n, *scale_m)) {
-        ab_update_scalar(t, b0, b0 + n, 0);
-        return;
-    }
     __m256 sm = _mm256_set1_ps(*scale_m * 256.0f), sv = _mm256_set1_ps(*scale_v);
-    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 vmax_m = _mm256_setzero_ps(), vmax_s = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        int64_t i = b0 + j;
-        __m256 p = _mm256_loadu_ps(pp + i);
-        __m256 g = avx2_load_grad(t->grad, i, G);
-        /* m = dec_e4m3(qm) * scale_m */
-        __m256 m = _mm256_mul_ps(avx2_e4m3_decode_div256(_mm_loadl_epi64((const __m128i *)(qm + j))), sm);
-        /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
-        __m256 s = _mm256_mul_ps(avx2_e5m2_decode(_mm_loadl_epi64((const __m128i *)(qv + j))), sv);
-        __m256 v = _mm256_mul_ps(s, s);
-        s = avx2_adamw(h, &p, g, &m, &v);
-        _mm256_storeu_ps(pp + i, p);
-        avx2_store_out(t->out, i, p, O, nt);
-        /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
-        vmax_m = _mm256_max_ps(_mm256_and_ps(m, abs_mask), vmax_m);
-        vmax_s = _mm256_max_ps(s, vmax_s);
-        _mm256_store_ps(mbuf + j, m);
-        _mm256_store_ps(sbuf + j, s);
-    }
-    /* the lanes' maxima (none is NaN or -0, so any order gives the scalar loop's result):
-     * [amax_m, amax_s] in lanes 0 and 4 */
-    __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(vmax_m, vmax_s, 0x20),
-                              _mm256_permute2f128_ps(vmax_m, vmax_s, 0x31));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
-    float amax_m = _mm256_cvtss_f32(mx);
-    float amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
+    for (; j + 8 <= n; j += 8)
+        avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt);
+    float amax_m, amax_s;
+    avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         int64_t i = b0 + j;
         float g = ab_load_grad(t->grad, i, G);
@@ -320,50 +397,13 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
         mbuf[j] = m;
         sbuf[j] = s;
     }
-    /* scale_m = amax_m / 448; scale_v = amax_s / 57344;
-     * inv_m = amax_m > 0 ? 448 / amax_m : 0; inv_v = amax_s > 0 ? 57344 / amax_s : 0
-     * (one divps for the four quotients) */
-    __m128 num = _mm_setr_ps(amax_m, amax_s, AB_E4M3_MAX, AB_E5M2_MAX);
-    __m128 den = _mm_setr_ps(AB_E4M3_MAX, AB_E5M2_MAX, amax_m, amax_s);
-    __m128 q = _mm_and_ps(_mm_div_ps(num, den), _mm_cmpgt_ps(den, _mm_setzero_ps()));
-    _mm_store_ss(scale_m, q);
-    _mm_store_ss(scale_v, _mm_shuffle_ps(q, q, 1));
-    __m256 vinv_m = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 2));
-    __m256 vinv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
-    float inv_m = _mm256_cvtss_f32(vinv_m), inv_v = _mm256_cvtss_f32(vinv_v);
-    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX2_IOTA);
-    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
-    const int cb = sr ? 2 : 0;
-    const __m256i pick_m = _mm256_setr_epi8(cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                            cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i pick_v = _mm256_setr_epi8(-1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                            -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1);
-    for (j = 0; j + 8 <= n; j += 8) {
-        __m256 m = _mm256_load_ps(mbuf + j), s = _mm256_load_ps(sbuf + j);
-        __m256 um = _mm256_setzero_ps(), uv = _mm256_setzero_ps();
-        if (sr) {
-            /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
-            __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
-            um = _mm256_cvtepi32_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
-            uv = _mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16));
-            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
-        }
-        /* x_m = min(|m| * inv_m, 448) */
-        __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), vinv_m),
-                                  _mm256_set1_ps(AB_E4M3_MAX));
-        /* x_v = min(s * inv_v, 57344) */
-        __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, vinv_v), _mm256_set1_ps(AB_E5M2_MAX));
-        __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
-        __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
-        /* sign bit when m < 0 */
-        __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
-        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80 << (8 * cb))));
-        /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
-        __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
-        __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-        _mm_storel_epi64((__m128i *)(qm + j), mv);
-        _mm_storeh_pd((double *)(qv + j), _mm_castsi128_pd(mv));
-    }
+    avx2_fp8_pending b = {qm, qv, mbuf, sbuf, _mm256_setzero_ps(), _mm256_setzero_ps(),
+                          _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)),
+                                           AVX2_IOTA)};
+    avx2_fp8_rescale(&b, scale_m, scale_v, amax_m, amax_s);
+    float inv_m = _mm256_cvtss_f32(b.inv_m), inv_v = _mm256_cvtss_f32(b.inv_v);
+    for (j = 0; j + 8 <= n; j += 8)
+        avx2_fp8_encode8(&b, j, kh, sr);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
         float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
@@ -385,8 +425,13 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     avx2_hyper_init(&h, &t->hyper);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
-    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
-        avx2_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr, nt);
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
+        if (avx2_fp8_block_odd((uint8_t *)t->exp_avg_sq + b0, n, t->exp_avg_scale[b0 / AB_BLOCK]))
+            ab_update_scalar(t, b0, b0 + n, 0);
+        else
+            avx2_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+    }
 }
 
 /* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */

@@ -168,46 +168,48 @@ AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int n
         avx512_store_u16(dst, h, k, full);
 }
 
-/* fp8 decode of 16 codes (sign included), exact:
- * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
-AB_INLINE __m512 avx512_fp8_decode(__m128i bytes, int emin, int mbits)
+/* fp8 decode through F16C, exact. An E5M2 code is the top byte of the fp16 with the same
+ * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
+ * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
+ * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
+ * and h * (256 * scale) round the same product once. Codes past the largest finite one
+ * decode by the formula in the scalar code but not here (E5M2 E == 31 is an fp16 inf/NaN):
+ * blocks holding them, never written by the encoder, take the scalar path. */
+AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
 {
-    __m512i c = _mm512_cvtepu8_epi32(bytes);
-    __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7f));
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag),
-                               _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin - mbits) << 23)));
-    __m512i nrm = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - mbits),
-                                   _mm512_set1_epi32((emin + 126) << 23));
-    __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1 << mbits));
-    __m512 x = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
 }
 
-/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i r16)
+AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
 {
-    /* e = exponent_field(x) - 127 */
-    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(x), 23),
-                                 _mm512_set1_epi32(127));
-    /* ee = max(e, emin) */
-    __m512i ee = _mm512_max_epi32(e, _mm512_set1_epi32(emin));
-    /* 1/q = 2^(mbits - ee) */
+    /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
+    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+}
+
+/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
+ * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
+ *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
+ *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
+ *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
+ *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
+ *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
+ *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
+ *   code = (d << mbits) + y. */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512 r16)
+{
+    int sh = sr ? 16 : 0;
+    /* d << 23, d = max(e, emin) - emin */
+    __m512i w = _mm512_subs_epu16(_mm512_castps_si512(x), _mm512_set1_epi32((127 + emin) << 23));
+    __m512i d23 = _mm512_and_si512(w, _mm512_set1_epi32((int)0xff800000u));
+    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
     __m512 inv_q = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127 + mbits), ee), 23));
-    /* t = x * (1/q) */
+        _mm512_sub_epi32(_mm512_set1_epi32((127 + mbits + sh - emin) << 23), d23));
     __m512 t = _mm512_mul_ps(x, inv_q);
-    __m512i y;
-    if (sr) {
-        /* y = floor(t + u), u = r16 * 2^-16 */
-        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(r16), _mm512_set1_ps(1.52587890625e-5f));
-        y = _mm512_cvttps_epi32(_mm512_add_ps(t, u));
-    } else {
-        /* y = rint(t) */
-        y = _mm512_cvttps_epi32(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
+    /* y = floor(t + u) or y = rint(t) */
+    __m512i y = sr ? _mm512_cvttps_epi32(_mm512_add_ps(t, r16)) : _mm512_cvtps_epi32(t);
     /* code = ((ee - emin) << mbits) + y */
-    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(ee, _mm512_set1_epi32(emin)), mbits), y);
+    return _mm512_add_epi32(y, _mm512_srli_epi32(d23, 23 - mbits - sh));
 }
 
 /* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */
@@ -286,7 +288,8 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
-/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode. */
+/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode.
+ * sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
 AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t j,
                                  __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512 *vmax_m,
                                  __m512 *vmax_s, int G, int O, int nt, __mmask16 k, int full)
@@ -297,11 +300,9 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     __m512 p = avx512_load_f32(pp + i, k, full);
     __m512 g = avx512_load_grad(t->grad, i, G, k, full);
     /* m = dec_e4m3(qm) * scale_m */
-    __m512 m = _mm512_mul_ps(avx512_fp8_decode(avx512_load_u8(qm + j, k, full), AB_E4M3_EMIN,
-                                               AB_E4M3_MBITS), sm);
+    __m512 m = _mm512_mul_ps(avx512_e4m3_decode_div256(avx512_load_u8(qm + j, k, full)), sm);
     /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
-    __m512 s = _mm512_mul_ps(avx512_fp8_decode(avx512_load_u8(qv + j, k, full), AB_E5M2_EMIN,
-                                               AB_E5M2_MBITS), sv);
+    __m512 s = _mm512_mul_ps(avx512_e5m2_decode(avx512_load_u8(qv + j, k, full)), sv);
     __m512 v = _mm512_mul_ps(s, s);
     s = avx512_adamw(h, &p, g, &m, &v);
     avx512_store_f32(pp + i, p, k, full);
@@ -319,20 +320,27 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
                                       __m512i idx, int sr, __mmask16 k, int full)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
+    const int cb = sr ? 2 : 0;
     __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
-    __m512i r = sr ? avx512_mix32(_mm512_xor_si512(kh, idx)) : _mm512_setzero_si512();
+    __m512 um = _mm512_setzero_ps(), uv = _mm512_setzero_ps();
+    if (sr) {
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+        um = _mm512_cvtepi32_ps(_mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
+        uv = _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 16));
+    }
     /* x_m = min(|m| * inv_m, 448) */
     __m512 xm = _mm512_min_ps(_mm512_mul_ps(avx512_abs(m), vinv_m), _mm512_set1_ps(AB_E4M3_MAX));
     /* x_v = min(s * inv_v, 57344) */
     __m512 xv = _mm512_min_ps(_mm512_mul_ps(s, vinv_v), _mm512_set1_ps(AB_E5M2_MAX));
-    __m512i cm = avx512_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
-                                   _mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
-    __m512i cv = avx512_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, _mm512_srli_epi32(r, 16));
+    __m512i cm = avx512_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
+    __m512i cv = avx512_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
     /* sign bit when m < 0 */
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
-    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
-    avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
-    avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
+    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80 << (8 * cb)));
+    avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cm, 8 * cb)), k, full);
+    avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cv, 8 * cb)), k, full);
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -343,7 +351,7 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     AB_ALIGN64 float sbuf[AB_BLOCK];
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
-    __m512 sm = _mm512_set1_ps(*scale_m), sv = _mm512_set1_ps(*scale_v);
+    __m512 sm = _mm512_set1_ps(*scale_m * 256.0f), sv = _mm512_set1_ps(*scale_v);
     __m512 vmax_m = _mm512_setzero_ps(), vmax_s = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= n; j += 16)
@@ -351,14 +359,8 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
     if (j < n)                                         /* tail: masked lanes */
         avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
-    AB_ALIGN64 float lanes_m[16], lanes_s[16];
-    _mm512_store_ps(lanes_m, vmax_m);
-    _mm512_store_ps(lanes_s, vmax_s);
-    float amax_m = 0.0f, amax_s = 0.0f;
-    for (int k = 0; k < 16; k++) {
-        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
-        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
-    }
+    /* the lanes' maxima (none is NaN or -0, so any order gives the scalar loop's result) */
+    float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
@@ -373,6 +375,26 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
         avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
 }
 
+/* Whether the block must take the scalar path: its v codes hold an E5M2 exponent of 31, or
+ * 256 * scale_m overflows (see avx512_e4m3_decode_div256). Neither is ever written. */
+AB_INLINE int avx512_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
+{
+    uint32_t s = ab_as_u32(scale_m) & 0x7fffffffu;
+    if (s >= 0x7b800000u && s < 0x7f800000u)           /* 2^120 <= |scale_m| < inf */
+        return 1;
+    int64_t j = 0;
+    __m512i acc = _mm512_setzero_si512();
+    for (; j + 64 <= n; j += 64) {                     /* max of (code << 1) & 0xff */
+        __m512i c = _mm512_loadu_si512((const void *)(qv + j));
+        acc = _mm512_max_epu8(acc, _mm512_add_epi8(c, c));
+    }
+    /* E == 31 <=> (code << 1) & 0xff >= 0xf8 */
+    int odd = _mm512_cmpge_epu8_mask(acc, _mm512_set1_epi8((char)0xf8)) != 0;
+    for (; j < n; j++)
+        odd |= (qv[j] & 0x7cu) == 0x7cu;
+    return odd;
+}
+
 AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
                                int sr, int nt)
 {
@@ -380,8 +402,13 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
     avx512_hyper_init(&h, &t->hyper);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
-    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
-        avx512_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr, nt);
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
+        if (avx512_fp8_block_odd((uint8_t *)t->exp_avg_sq + b0, n, t->exp_avg_scale[b0 / AB_BLOCK]))
+            ab_update_scalar(t, b0, b0 + n, 0);
+        else
+            avx512_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+    }
 }
 
 /* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */

@@ -5,7 +5,6 @@ gradients into UpdateItems and hands them to ``functional.adamw_update`` in one 
 """
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 

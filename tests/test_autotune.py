@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge, AutoTuneConfig
-from adambridge import autotune, pipeline
+from adambridge import autotune, worker
 
 
 def test_autotune_thread_candidates_are_powers_of_two_then_the_max():
@@ -87,13 +87,13 @@ def test_autotune_precision_decisions(case):
 
 @pytest.mark.parametrize("bf16_delay,kept", [(0.002, True), (0.06, False)], ids=["kept", "reverted"])
 def test_autotune_steps_down_state_on_the_workers(monkeypatch, bf16_delay, kept):
-    real = pipeline.adamw_update
+    real = worker.adamw_update
 
     def slow_update(items, backend):  # fp32 moments slow, bf16 as slow as bf16_delay says
         time.sleep(0.03 if items[0].precision == "fp32" else bf16_delay)
         real(items, backend)
 
-    monkeypatch.setattr(pipeline, "adamw_update", slow_update)
+    monkeypatch.setattr(worker, "adamw_update", slow_update)
     model = nn.Linear(16, 16)
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0,
                      autotune=AutoTuneConfig(warmup_steps=1))

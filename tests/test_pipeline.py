@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge, StepStats
-from adambridge import pipeline
+from adambridge import pipeline, worker
 from adambridge.transport import HostTransport
 
 RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3
@@ -205,7 +205,7 @@ class SlowTransport(HostTransport):
 
 def _scheduled(monkeypatch, model, *, latency, kernel_s=0.0, **opt_args):
     events: list = []
-    real = pipeline.adamw_update
+    real = worker.adamw_update
 
     def recording_update(items, backend):
         began = time.perf_counter()
@@ -215,7 +215,7 @@ def _scheduled(monkeypatch, model, *, latency, kernel_s=0.0, **opt_args):
         events.append(("batch", [(id(i.master.untyped_storage()), i.offset) for i in items],
                        began, time.perf_counter()))
 
-    monkeypatch.setattr(pipeline, "adamw_update", recording_update)
+    monkeypatch.setattr(worker, "adamw_update", recording_update)
     opt = AdamBridge(model.parameters(), backend="torch", **opt_args)
     pipeline.attach(opt, model, make_transport=lambda d: SlowTransport(d, latency, events))
     return opt, events
@@ -299,7 +299,7 @@ def test_schedule_batches_grow_under_load(monkeypatch):
     transport.land(10**9)
     layers(x).sum().backward()
     opt.step_sync()  # the first step is held; watch the second
-    real, sizes = pipeline.adamw_update, []
+    real, sizes = worker.adamw_update, []
     in_kernel, gate = threading.Event(), threading.Event()
 
     def gated_update(items, backend):
@@ -308,7 +308,7 @@ def test_schedule_batches_grow_under_load(monkeypatch):
         assert gate.wait(timeout=10)
         real(items, backend)
 
-    monkeypatch.setattr(pipeline, "adamw_update", gated_update)
+    monkeypatch.setattr(worker, "adamw_update", gated_update)
     first = transport.made
     transport.land(first)
     layers(x).sum().backward()
@@ -393,14 +393,14 @@ def test_fault_in_kernel_is_raised_by_step_sync_with_what_was_updated(monkeypatc
     x = torch.randn(2, 8)
     model(x).sum().backward()
     opt.step_sync()
-    real, first = pipeline.adamw_update, model[0].weight
+    real, first = worker.adamw_update, model[0].weight
 
     def failing(items, backend):
         if any(i.master.data_ptr() == first.data_ptr() for i in items):
             raise MemoryError("simulated")
         real(items, backend)
 
-    monkeypatch.setattr(pipeline, "adamw_update", failing)
+    monkeypatch.setattr(worker, "adamw_update", failing)
     params = list(model.parameters())
     before = _snapshot(opt, params)
     model(x).sum().backward()
@@ -412,7 +412,7 @@ def test_fault_in_kernel_is_raised_by_step_sync_with_what_was_updated(monkeypatc
     untouched = [i for i, s in enumerate(stepped) if s == 1]
     _assert_unchanged(opt, [params[i] for i in untouched],
                       ([before[0][i] for i in untouched], [before[1][i] for i in untouched]))
-    monkeypatch.setattr(pipeline, "adamw_update", real)
+    monkeypatch.setattr(worker, "adamw_update", real)
     opt.zero_grad()
     model(x).sum().backward()
     opt.step_sync()  # the pipeline is usable again after a failed step
@@ -488,17 +488,17 @@ def test_numa_worker_cpus_come_from_the_gpus_node(tmp_path, monkeypatch):
     monkeypatch.setattr(topology, "cuda_pci_bus_id", lambda index: "0000:3B:00.0")
     monkeypatch.setattr(topology, "allowed_cpus", lambda: tuple(range(8)))
     cuda0 = torch.device("cuda", 0)
-    assert pipeline.worker_cpus(cuda0, True, root=str(tmp_path)) == (4, 5, 6, 7)
-    assert pipeline.worker_cpus(cuda0, False, root=str(tmp_path)) == ()
-    assert pipeline.worker_cpus(torch.device("cpu"), True, root=str(tmp_path)) == ()
+    assert worker.worker_cpus(cuda0, True, root=str(tmp_path)) == (4, 5, 6, 7)
+    assert worker.worker_cpus(cuda0, False, root=str(tmp_path)) == ()
+    assert worker.worker_cpus(torch.device("cpu"), True, root=str(tmp_path)) == ()
     monkeypatch.setattr(topology, "cuda_pci_bus_id", lambda index: None)
-    assert pipeline.worker_cpus(cuda0, True, root=str(tmp_path)) == ()
+    assert worker.worker_cpus(cuda0, True, root=str(tmp_path)) == ()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
 def test_numa_worker_thread_pins_itself_and_first_touches_state():
     cpu = min(os.sched_getaffinity(0))
-    lane = pipeline.Lane(HostTransport(torch.device("cpu")), backend="torch",
+    lane = worker.Lane(HostTransport(torch.device("cpu")), backend="torch",
                          overlap_writeback=True, cpus=(cpu,))
     seen = {}
     lane.wait(lane.call(lambda: seen.update(cpus=os.sched_getaffinity(0),

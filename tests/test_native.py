@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,30 @@ def test_c_selftest_builds_with_one_command_and_passes(tmp_path):
     result = subprocess.run([str(exe)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert " 0 failed" in result.stdout
+
+
+_IMPORT_AND_STEP = """\
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+import torch, adambridge
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(1000).bfloat16())
+opt = adambridge.AdamBridge([p], backend="native", precision="bf16")
+p.grad = torch.ones_like(p)
+opt.step()
+print(opt.backend, p.float().sum().item())
+"""
+
+
+def test_eight_processes_importing_and_stepping_with_an_empty_cache_build_once(tmp_path):
+    # The real package, as users start it: 8 processes at once, one empty cache.
+    env = dict(os.environ, ADAMBRIDGE_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env.pop("ADAMBRIDGE_ISA", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT_AND_STEP], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-1500:] for _, _, err in results]
+    assert len({out for _, out, _ in results}) == 1  # same backend, same weights
+    assert results[0][1].startswith("native/")
+    assert sum(err.count("adambridge: built") for _, _, err in results) == 1

@@ -193,7 +193,7 @@ class AdamBridge(torch.optim.Optimizer):
         """Where the kernel writes the rounded copy: into p itself when it can."""
         if _can_alias_master(p):
             return None
-        if p.device.type == "cpu" and p.is_contiguous():
+        if p.is_cpu and p.is_contiguous():
             return p.detach().view(-1)
         if p.dtype == torch.float32:
             return None  # the master itself is the fp32 copy
@@ -203,7 +203,7 @@ class AdamBridge(torch.optim.Optimizer):
         return buffer
 
     def _write_back(self, p: torch.Tensor, state: dict) -> None:
-        if _can_alias_master(p) or (p.device.type == "cpu" and p.is_contiguous()):
+        if p.is_cpu and p.is_contiguous():
             return  # the kernel wrote into p directly
         source = state["master"] if p.dtype == torch.float32 else self._writeback[p]
         p.detach().copy_(source.view(p.shape))
@@ -318,12 +318,12 @@ class AdamBridge(torch.optim.Optimizer):
 
 def _can_alias_master(p: torch.Tensor) -> bool:
     """An fp32, contiguous CPU parameter is its own master: no copy, no write-back."""
-    return p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+    return p.is_cpu and p.dtype == torch.float32 and p.is_contiguous()
 
 
 def _host_grad(p: torch.Tensor) -> torch.Tensor:
     grad = p.grad.detach()
-    if grad.device.type != "cpu":
+    if not grad.is_cpu:
         grad = grad.to("cpu")  # synchronous mode: a blocking device-to-host copy
     return grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
 

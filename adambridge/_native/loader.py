@@ -201,20 +201,32 @@ def reset() -> None:
 
 # -- the multi-tensor update (functional.adamw_update(backend="native") lands here) ------------
 
-_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}                 # enum ab_dtype
+_DTYPE_NAMES = {"float32": 0, "bfloat16": 1, "float16": 2}           # enum ab_dtype
 _PRECISIONS = {"fp32": (0, 4, 4), "bf16": (1, 2, 2), "fp8": (2, 1, 1)}  # enum, m and v bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _dtypes() -> dict:
+    import torch
+    return {getattr(torch, name): code for name, code in _DTYPE_NAMES.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _hyper_struct(hyper) -> AbHyper:
+    # Every parameter of a step shares one Hyper, so its struct is built once per step.
+    return AbHyper(*(getattr(hyper, f) for f, _ in AbHyper._fields_))
 
 
 def _pointer(t, name: str, n: int, itemsize: int) -> int:
     """t's data address after checking that the kernel may read n elements of itemsize there."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n or t.element_size() != itemsize:
+    if not t.is_cpu or not t.is_contiguous() or t.numel() != n or t.element_size() != itemsize:
         raise ValueError(f"Invalid {name}: the native kernel needs a contiguous CPU tensor of {n} "
                          f"elements of {itemsize} bytes, got {tuple(t.shape)} {t.dtype} on {t.device}")
     return t.data_ptr()
 
 
 def _dtype_code(t, name: str) -> int:
-    code = _DTYPES.get(str(t.dtype).replace("torch.", ""))
+    code = _dtypes().get(t.dtype)
     if code is None:
         raise ValueError(f"Invalid {name} dtype: {t.dtype} (valid: float32, bfloat16, float16)")
     return code
@@ -226,7 +238,7 @@ def _ab_tensor(item) -> AbTensor:
     precision, m_size, v_size = _PRECISIONS[item.precision]
     t = AbTensor(n=n, offset=item.offset, key=item.key & 0xFFFFFFFF, precision=precision,
                  stochastic_rounding=int(bool(item.stochastic_rounding)),
-                 hyper=AbHyper(*(getattr(item.hyper, f) for f, _ in AbHyper._fields_)))
+                 hyper=_hyper_struct(item.hyper))
     t.param = _pointer(item.master, "master", n, 4)
     t.grad_dtype = _dtype_code(item.grad, "grad")
     t.grad = _pointer(item.grad, "grad", n, item.grad.element_size())

@@ -124,6 +124,11 @@ def gradient(p: torch.Tensor, index: int, layout: Optional[tuple]) -> None:
     if grad.dtype not in SUPPORTED_PARAM_DTYPES:
         raise ValueError(f"Invalid gradient of parameter {index}: dtype {grad.dtype} "
                          f"(expected float32, bfloat16 or float16)")
+    unchanged_layout(p, index, layout)
+
+
+def unchanged_layout(p: torch.Tensor, index: int, layout: Optional[tuple]) -> None:
+    """The parameter still has the (shape, dtype) its state was created for."""
     if layout is not None and layout != (p.shape, p.dtype):
         shape, dtype = layout
         raise ValueError(f"Parameter {index} changed from {tuple(shape)} {dtype} to "

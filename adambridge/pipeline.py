@@ -119,11 +119,12 @@ class Pipeline:
         # Before the first update of the step: a replaced parameter fails with nothing done.
         opt = self.opt
         for p, layout in opt._layout.items():
-            if p in self.group_of and layout != (p.shape, p.dtype):
-                record.fail(ValueError(
-                    f"Parameter {opt._param_index[p]} changed from {tuple(layout[0])} {layout[1]} "
-                    f"to {tuple(p.shape)} {p.dtype} between steps; build a new optimizer for "
-                    f"the changed model"))
+            if p not in self.group_of:
+                continue
+            try:
+                check.unchanged_layout(p, opt._param_index[p], layout)
+            except ValueError as exc:
+                record.fail(exc)
                 return
 
     def _job(self, p: torch.Tensor, record: StepRecord, grad: torch.Tensor,

@@ -202,7 +202,7 @@ def test_build_failure_raises_with_compiler_output(mini_src, cache):
 def test_compiler_env_comes_first(mini_src, cache, tmp_path, monkeypatch):
     real = build.find_compiler()
     if real.msvc:
-        pytest.skip("the wrapper is a shell script")
+        pytest.skip("MSVC cl found: the wrapper compiler is a POSIX shell script (needs gcc or clang)")
     log = tmp_path / "calls.log"
     wrapper = tmp_path / "my-cc"
     wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {" ".join(real.argv)} "$@"\n')
@@ -298,7 +298,7 @@ def test_loader_prototypes_cover_every_abi_function():
 def test_loader_struct_layout_matches_header(tmp_path):
     compiler = _compiler_or_skip()
     if compiler.msvc:
-        pytest.skip("the layout program is built with a gcc-style command line")
+        pytest.skip("MSVC cl found: the layout program needs a gcc-style compiler (gcc or clang)")
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "adambridge.h"', "int main(void) {"]
     for struct, cname in ((loader.AbHyper, "ab_hyper"), (loader.AbTensor, "ab_tensor")):
         lines.append(f'printf("{cname} sizeof %zu\\n", sizeof({cname}));')

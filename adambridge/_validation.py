@@ -69,6 +69,20 @@ def non_negative_int(name: str, value: Any) -> int:
     return value
 
 
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= 1)")
+    return value
+
+
+def max_grad_norm(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Invalid max_grad_norm: {value!r} (expected None or a number > 0)")
+    return float(value)
+
+
 def optional_positive_int(name: str, value: Any) -> Optional[int]:
     if value is None:
         return None

@@ -5,6 +5,7 @@ gradients into UpdateItems and hands them to ``functional.adamw_update`` in one 
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
@@ -29,6 +30,10 @@ class AdamBridge(torch.optim.Optimizer):
     every argument.
     """
 
+    # GradScaler hands this optimizer ``grad_scale`` and ``found_inf`` instead of unscaling
+    # p.grad itself: asynchronous mode unscales the host copies (see pipeline_facts.py).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable,
@@ -48,6 +53,7 @@ class AdamBridge(torch.optim.Optimizer):
         autotune: Any = False,
         seed: int = 0,
         small_param_threshold: int = 65536,
+        max_grad_norm: Optional[float] = None,
         **torch_flags: Any,
     ) -> None:
         check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
@@ -63,6 +69,7 @@ class AdamBridge(torch.optim.Optimizer):
         self.seed = check.seed(seed)
         self.small_param_threshold = check.non_negative_int("small_param_threshold",
                                                             small_param_threshold)
+        self.max_grad_norm = check.max_grad_norm(max_grad_norm)
         self.autotune_config = check.autotune(autotune)
         self.autotune_log: list = []
         self.last_step_stats = None
@@ -148,22 +155,65 @@ class AdamBridge(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One AdamW update of every parameter that has a gradient."""
-        self._check_sync_mode()
+        """One AdamW update of every parameter that has a gradient; returns closure's loss.
+
+        With hooks attached (``attach_hooks``) this finishes the step that backward started,
+        as ``step_sync()`` does; ``opt.last_step_stats`` then holds its StepStats.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._collect_work()
-        if not work:
+        if self._pipeline is not None:
+            self._pipeline.finish()
             return loss
-        backend = self._resolve_backend()
-        items = [self._update_item(p, group, state, step) for p, group, state, step in work]
-        adamw_update(items, backend)
-        for p, _, state, step in work:
-            state["step"].fill_(step)
-            self._write_back(p, state)
+        if self.autotune_config is not None:
+            from . import autotune
+            autotune.tune_threads_once(self)
+        began = time.perf_counter()
+        stats = StepStats()
+        self.last_step_stats = stats
+        if not self._sync_amp():
+            stats.skipped = True
+            return loss
+        if self.max_grad_norm is not None:
+            stats.grad_norm = self._sync_clip()
+        work = self._collect_work()
+        if work:
+            backend = self._resolve_backend()
+            items = [self._update_item(p, group, state, step) for p, group, state, step in work]
+            adamw_update(items, backend)
+            for p, _, state, step in work:
+                state["step"].fill_(step)
+                self._write_back(p, state)
+        stats.num_params, stats.num_batches = len(work), int(bool(work))
+        stats.host_update_s = stats.wall_s = time.perf_counter() - began
         return loss
+
+    def _sync_amp(self) -> bool:
+        """GradScaler in synchronous mode: False to skip the step, else unscale p.grad."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:
+            return False
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float()
+            by_device: dict = {}
+            for p in self._params_with_grad():
+                by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (device, _), grads in by_device.items():
+                unused = torch.zeros((), device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, unused,
+                                                                 inv_scale.to(device))
+        return True
+
+    def _sync_clip(self) -> float:
+        from . import interception
+        clip = interception.original_clip_grad_norm_()
+        return float(clip(self._params_with_grad(), self.max_grad_norm))
+
+    def _params_with_grad(self) -> list:
+        return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _collect_work(self) -> list:
         """Validate every gradient first, so a bad one leaves everything untouched."""
@@ -210,38 +260,46 @@ class AdamBridge(torch.optim.Optimizer):
 
     # --- asynchronous mode (pipeline.py)
 
-    def attach_hooks(self, model: Optional[torch.nn.Module] = None) -> None:
+    def attach_hooks(self, model: Optional[torch.nn.Module] = None, *,
+                     accumulation_steps: int = 1,
+                     closes_window: Optional[Callable[[], bool]] = None) -> None:
         """Update each parameter as soon as backward has produced its gradient.
 
         Hooks go on ``model``'s parameters that this optimizer owns (all of them when
-        ``model`` is None); then ``loss.backward()`` drives the updates and ``step_sync()``
-        finishes the step. Parameters under ``small_param_threshold`` elements, and this
-        optimizer's parameters outside ``model``, get no hook: they are updated at
-        ``step_sync()``, one buffer each way. Global gradient clipping is impossible here
-        (the first layers update before the last gradients exist); use ``step()`` for it.
+        ``model`` is None); then ``loss.backward()`` drives the updates and ``step()`` (or
+        ``step_sync()``) finishes the step. Parameters under ``small_param_threshold``
+        elements, and gradients without a hook, are updated when the step finishes, one
+        buffer each way. A backward pass updates only when it closes the accumulation
+        window: every ``accumulation_steps``-th pass, or when ``closes_window()`` returns
+        True (frameworks that know it, e.g. accelerate's ``sync_gradients``), and never
+        inside ``with opt.accumulate():``. Clipping (``max_grad_norm``, or torch's
+        ``clip_grad_norm_`` on these parameters) and GradScaler work as in ``step()``.
         """
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
-        pipeline.attach(self, model)
+        pipeline.attach(self, model, accumulation_steps=accumulation_steps,
+                        closes_window=closes_window)
 
     def detach_hooks(self) -> None:
-        """Back to synchronous use (``step()``); call ``step_sync()`` first if a step is running."""
-        if self._pipeline is not None:
-            self._pipeline.detach()
-            self._pipeline = None
+        """Remove the hooks (always) and go back to synchronous ``step()``."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline.detach()
 
     def step_sync(self) -> StepStats:
-        """Wait for this step's updates; the device's current stream then sees the new weights.
+        """``step()`` with hooks attached, returning the step's StepStats.
 
-        Returns the step's StepStats (also ``opt.last_step_stats``). Re-raises any error of
-        the step (a bad gradient, a failed update) here; see adambridge/pipeline.py for what
-        the parameters and state are then.
+        Waits for this step's updates; the device's current stream then sees the new
+        weights. Re-raises any error of the step (a bad gradient, a failed update, an
+        interrupted backward) here; see adambridge/pipeline.py for what the parameters and
+        state are then.
         """
         if self._pipeline is None:
             raise RuntimeError("step_sync() needs hooks: call opt.attach_hooks(model) first, "
                                "or use opt.step() in synchronous mode")
-        return self._pipeline.sync()
+        self.step()
+        return self.last_step_stats
 
     def accumulate(self) -> ContextManager[None]:
         """``with opt.accumulate(): loss.backward()`` adds to the gradients without updating.
@@ -251,13 +309,14 @@ class AdamBridge(torch.optim.Optimizer):
         """
         return self._pipeline.accumulate() if self._pipeline is not None else nullcontext()
 
-    def _check_sync_mode(self) -> None:
-        if self._pipeline is not None:
-            raise RuntimeError("step() cannot run while hooks are attached: call "
-                               "opt.step_sync() after backward(), or opt.detach_hooks() first")
-        if self.autotune_config is not None:
-            from . import autotune
-            autotune.tune_threads_once(self)
+    def aliases_master(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is its own fp32 master (an fp32, contiguous CPU parameter)."""
+        return _can_alias_master(p)
+
+    def range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
+                   grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:
+        """The UpdateItem of elements [start, start + grad.numel()) of p (a chunk, a shard)."""
+        return self._range_item(p, group, state, step, grad, out, start)
 
     def _range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
                     grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:

@@ -10,31 +10,35 @@ Who waits on whom (DESIGN.md section 5; the copies themselves are in transport.p
                     adamw_update call, then starts their copies back (``overlap_writeback``)
                     and commits ``state["step"]`` of each parameter whose last piece is done.
                     Under load more copies land per update, so the batches grow.
-  step_sync()       sends the small parameters (one buffer per dtype), enqueues a Flush,
-                    waits (with timeouts) until the worker reaches it, then makes the current
-                    stream wait on the copies back. It is the only place the host waits.
+  finish()          (``opt.step()`` / ``opt.step_sync()``) sends what has no hook (small
+                    parameters, gradients set by hand) as one buffer per dtype, applies the
+                    step-wide facts (GradScaler, ``max_grad_norm``, clipping routed here by
+                    interception.py: see step_facts.py), waits (with a bound) until the
+                    worker has run what was held and corrected what was speculative, then
+                    makes the current stream wait on the copies back.
+
+Accumulation: a backward pass updates only if it closes the accumulation window: outside
+``opt.accumulate()``, and the N-th of ``accumulation_steps=N`` (or when ``closes_window()``
+says so). Backward passes are counted by an engine callback queued at the first hook of
+each pass, which also tells a pass that never finished (an exception or Ctrl-C inside
+backward): the step then fails at finish, naming what it had updated.
 
 Faults. Everything that can make a gradient unusable is checked in the hook, before the
-gradient is enqueued (sparse layout, shape, dtype, a parameter replaced since the last step,
-which is checked for every parameter at the first hook of each step). A failed check stops
-the step: later hooks enqueue nothing and the worker updates nothing more; step_sync raises
-the error. The first step after attach_hooks is *held*: the worker updates nothing until
-step_sync has seen every gradient, so a model whose gradients cannot be handled fails with
-nothing changed. On later steps a check can only fail if the model changed mid-training in
-a way the layout check cannot see (a gradient that turns sparse); the parameters updated
-before it are then named in the error. If the update kernel or a copy fails, the parameters
-of that batch are in an unknown state, those of earlier batches are updated, the rest are
-as before the step; the error names the updated ones. Each parameter's ``state["step"]``
-always says whether it took the step. NaN/inf gradients are not errors (as in torch).
-
-Worker threads are daemons, every wait has a timeout, and a worker holds only a weak
-reference to its lane: it exits when the optimizer is garbage-collected.
+gradient is enqueued (sparse layout, shape, dtype, a parameter replaced since the last step).
+A failed check stops the step: later hooks enqueue nothing, the worker updates nothing more,
+and finish raises. The first step after attach_hooks is *held*: the worker updates nothing
+until finish has seen every gradient, so a model whose gradients cannot be handled fails with
+nothing changed. If the kernel or a copy fails, the parameters of that batch are in an unknown
+state, those of earlier batches are updated, the rest are as before; the error names the
+updated ones. Each parameter's ``state["step"]`` always says whether it took the step. A dead
+worker thread is replaced at the next step. NaN/inf gradients are not errors (as in torch).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -43,58 +47,87 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _validation as check
+from . import interception
 from .stats import StepStats
 from .transport import make_transport
 from .worker import _STOP, Job, Lane, Piece, StepRecord, WriteBack, chunk_ranges, worker_cpus
+from .pipeline_facts import FactsMixin
 
 _log = logging.getLogger("adambridge")
-# --------------------------------------------------------------------------- the pipeline
+_SYNC_TIMEOUT_S = float(os.environ.get("ADAMBRIDGE_SYNC_TIMEOUT", "600"))
 
 
-class Pipeline:
+class Pipeline(FactsMixin):
     """The hooks of one optimizer and one Lane per device; ``opt._pipeline`` while attached."""
 
     def __init__(self, opt: Any, model: Optional[torch.nn.Module], *,
-                 make_transport: Callable[[torch.device], Any] = make_transport) -> None:
+                 make_transport: Callable[[torch.device], Any] = make_transport,
+                 accumulation_steps: int = 1,
+                 closes_window: Optional[Callable[[], bool]] = None) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
-        owned = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
-        in_model = owned if model is None else _model_params(model, owned)
-        self.hooked = [p for p in in_model if p.numel() >= opt.small_param_threshold]
-        hooked_ids = {id(p) for p in self.hooked}
-        grouped = [p for p in owned if id(p) not in hooked_ids]
-        self.group_of = {p: group for group in opt.param_groups for p in group["params"]}
+        self.owned = [p for group in opt.param_groups for p in group["params"]]
+        in_model = self.owned if model is None else _model_params(model, self.owned)
+        self.hooked = [p for p in in_model
+                       if p.requires_grad and p.numel() >= opt.small_param_threshold]
+        _refuse_shared_hooks(self.hooked, opt)
+        self._hooked_set = {id(p) for p in self.hooked}
+        self.accumulation_steps = check.positive_int("accumulation_steps", accumulation_steps)
+        self.closes_window = closes_window
+        self.group_of: dict = {}
+        self._groups_seen: list = []
+        self._refresh_groups()
         backend = opt._resolve_backend()
         self.lanes: dict[torch.device, Lane] = {}
-        for p in owned:
+        for p in self.owned:
             if p.device not in self.lanes:
                 self.lanes[p.device] = Lane(make_transport(p.device), backend=backend,
                                             overlap_writeback=opt.overlap_writeback,
                                             cpus=worker_cpus(p.device, opt.numa_aware))
-        self.grouped = {device: [p for p in grouped if p.device == device] for device in self.lanes}
         self._record: Optional[StepRecord] = None
         self._record_lock = threading.Lock()
         self._warm = False          # False until a step has completed: that step is held
         self._accumulating = 0
+        self._micro = 0             # backward passes ended in this accumulation window
+        self._open_task: Optional[int] = None  # graph task whose end callback is pending
+        self._used: dict = {}       # p -> (weakref of the kept p.grad, its version) used
+        self.uses_grad_scaler = False
+        self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.tuner = None
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
                    for p in self.hooked]
         queues = [lane.queue for lane in self.lanes.values()]
         self._finalizer = weakref.finalize(self, _shut_down, handles, queues)
+        interception.register(self)
 
     @property
     def opt(self) -> Any:
         return self._opt_ref()
 
+    def hooks(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` has one of this pipeline's hooks (its gradient may be released)."""
+        return id(p) in self._hooked_set
+
+    def _refresh_groups(self) -> None:
+        # load_state_dict and users may replace param_groups: look the group up again, so
+        # the loaded hyperparameters and every later schedule change reach the update.
+        groups = self.opt.param_groups
+        if len(groups) != len(self._groups_seen) or any(
+                a is not b for a, b in zip(groups, self._groups_seen)):
+            self.group_of = {p: group for group in groups for p in group["params"]}
+            self._groups_seen = list(groups)
+
     # -- the hook (autograd thread)
 
     def on_grad(self, p: torch.Tensor) -> None:
-        if self._accumulating:
+        self._track_backward()
+        if not self._window_closes():
             return  # the gradient stays on the device and accumulates
         record = self._current_record()
         if p in record.jobs:
             raise RuntimeError(f"parameter {self.opt._param_index[p]} received a second gradient "
-                               f"before step_sync(); wrap the earlier backward passes of the "
-                               f"step in `with opt.accumulate():`")
+                               f"before the optimizer step; wrap the earlier backward passes "
+                               f"of the step in `with opt.accumulate():`, or pass "
+                               f"accumulation_steps=N to attach_hooks")
         if record.failed:
             return
         index = self.opt._param_index[p]
@@ -105,15 +138,47 @@ class Pipeline:
             return
         try:
             self._enqueue(p, record)
-        except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by step_sync
+        except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
             record.fail(exc, f"sending the gradient of parameter {index} to the host")
+
+    def _track_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._open_task:
+            return
+        if self._open_task is not None:
+            self._backward_interrupted()
+        self._open_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_backward_ended, weakref.ref(self), task))
+
+    def _backward_interrupted(self) -> None:
+        # A pass whose end callback never ran raised inside backward.
+        self._open_task = None
+        if self._record is not None and not self._record.failed:
+            self._record.fail(RuntimeError(
+                "a backward pass of this step did not finish (an exception or "
+                "KeyboardInterrupt inside backward), so its gradients are incomplete"))
+
+    def _window_closes(self) -> bool:
+        if self._accumulating:
+            return False
+        if self.closes_window is not None:
+            return bool(self.closes_window())
+        return (self._micro + 1) % self.accumulation_steps == 0
 
     def _current_record(self) -> StepRecord:
         with self._record_lock:
             if self._record is None:
-                self._record = StepRecord(held=not self._warm)
-                self._check_layouts(self._record)
+                self._refresh_groups()
+                record = StepRecord(held=not self._warm or self.uses_grad_scaler,
+                                    clip_watch=self._clip_watch())
+                self._check_layouts(record)
+                self._record = record
             return self._record
+
+    def _clip_watch(self) -> Optional[float]:
+        limits = [x for x in (self.opt.max_grad_norm, self.clip_hint) if x is not None]
+        return min(limits) if limits else None
 
     def _check_layouts(self, record: StepRecord) -> None:
         # Before the first update of the step: a replaced parameter fails with nothing done.
@@ -127,15 +192,13 @@ class Pipeline:
                 record.fail(exc)
                 return
 
-    def _job(self, p: torch.Tensor, record: StepRecord, grad: torch.Tensor,
-             out: Optional[torch.Tensor], pieces: int, new: bool, transport: Any) -> Job:
+    def _job(self, p: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor],
+             pieces: int, new: bool, transport: Any) -> Job:
         opt = self.opt
         state = opt.state.get(p) or None
         step = int(state["step"].item()) + 1 if state else 1
-        job = Job(opt, p, opt._param_index[p], self.group_of[p], state, step, grad, out,
-                  transport.source(p) if new else None, pieces, record)
-        record.jobs[p] = job
-        return job
+        return Job(opt, p, opt._param_index[p], self.group_of[p], state, step, grad, out,
+                   transport.source(p) if new else None, pieces, transport)
 
     def _enqueue(self, p: torch.Tensor, record: StepRecord) -> None:
         opt, lane = self.opt, self.lanes[p.device]
@@ -147,23 +210,45 @@ class Pipeline:
                   else [(0, p.numel())])
         host_grad, tickets = lane.transport.grad_to_host(p, grad, ranges, new)
         self._release(p, grad, lane)
-        job = self._job(p, record, host_grad, lane.transport.out(p), len(ranges), new,
-                        lane.transport)
+        job = record.jobs[p] = self._job(p, host_grad, lane.transport.out(p), len(ranges),
+                                         new, lane.transport)
         for (start, end), ticket in zip(ranges, tickets):
             send = functools.partial(lane.transport.to_device, p, start, end)
-            lane.queue.put(Piece(job, start, end, ticket, WriteBack(send, 1)))
+            lane.queue.put(Piece(job, start, end, ticket, WriteBack(send, 1), record))
 
     def _release(self, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
         if self.opt.release_grads:
             lane.transport.release(grad)
             p.grad = None
 
-    # -- step_sync (caller's thread)
+    # -- what has no hook: one buffer per dtype each way
+
+    def _unsent(self, record: StepRecord, device: torch.device) -> list:
+        """Owned gradients of ``device`` not sent yet: small, hand-set, accumulated ones."""
+        params = []
+        for p in self.owned:
+            if p.device != device or p.grad is None or p in record.jobs:
+                continue
+            used = self._used.get(p)
+            if used is not None and used[0]() is p.grad and used[1] == p.grad._version:
+                continue  # the gradient a previous step already used: no new backward
+            params.append(p)
+        return params
+
+    def send_rest(self, record: StepRecord, hold: bool = True) -> None:
+        """Send every gradient without a hook; with ``hold``, hold what lands from now on."""
+        record.hold_rest = record.hold_rest or hold
+        if record.failed:
+            return
+        for lane in self.lanes.values():
+            try:
+                self._send_group(lane, record)
+            except Exception as exc:  # noqa: BLE001
+                record.fail(exc, f"sending the small parameters of {lane.transport.device}")
 
     def _send_group(self, lane: Lane, record: StepRecord) -> None:
-        """The small parameters of one device: validated, then one buffer each way."""
         opt = self.opt
-        params = [p for p in self.grouped[lane.transport.device] if p.grad is not None]
+        params = self._unsent(record, lane.transport.device)
         for p in params:
             try:
                 check.gradient(p, opt._param_index[p], opt._layout.get(p))
@@ -181,41 +266,85 @@ class Pipeline:
         new_ids = {id(p) for p in new}
         for p, grad, out in zip(params, grads, outs):
             self._release(p, p.grad, lane)
-            job = self._job(p, record, grad, out, 1, id(p) in new_ids, lane.transport)
-            lane.queue.put(Piece(job, 0, p.numel(), ticket, writeback))
+            job = record.jobs[p] = self._job(p, grad, out, 1, id(p) in new_ids, lane.transport)
+            lane.queue.put(Piece(job, 0, p.numel(), ticket, writeback, record))
 
-    def sync(self) -> StepStats:
+    def drain(self, record: StepRecord) -> None:
+        """Wait until every lane has handled (updated or held) every piece queued so far."""
+        calls = [(lane, lane.call(lambda: None)) for lane in self.lanes.values()]
+        for lane, unit in calls:
+            try:
+                lane.wait(unit, _SYNC_TIMEOUT_S)
+            except (RuntimeError, TimeoutError) as exc:
+                record.fail(exc)
+
+    # -- finish (the caller's thread): opt.step() / opt.step_sync()
+
+    def finish(self) -> StepStats:
         entered = time.perf_counter()
         record = self._current_record()
-        for lane in self.lanes.values():
+        revived = [lane for lane in self.lanes.values() if lane.revive()]
+        if revived:
+            record.fail(RuntimeError(f"the adambridge worker thread for "
+                                     f"{revived[0].transport.device} had died; a new one runs "
+                                     f"from the next step"))
+        if self._open_task is not None:
+            self._backward_interrupted()
+        # Without a step-wide fact to come, what lands now is final: keep updating it.
+        self.send_rest(record, hold=self.facts_pending())
+        self.drain(record)
+        if not record.failed:
             try:
-                self._send_group(lane, record)
-            except Exception as exc:  # noqa: BLE001
-                record.fail(exc, f"sending the small parameters of {lane.transport.device}")
-        flushes = [(lane, lane.call(functools.partial(lane.flush, record)))
-                   for lane in self.lanes.values()]
-        for lane, unit in flushes:
-            lane.wait(unit)  # the worker has updated, or dropped, every piece of this step
+                self.apply_step_facts(record)
+            except Exception as exc:  # noqa: BLE001 - e.g. a non-finite norm
+                record.fail(exc)
+        self._flush(record)
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
             lane.transport.finish()  # the current stream waits for the copies back
         with self._record_lock:
             self._record = None
+        self._micro = 0
+        self._remember_used(record)
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats
+        record.jobs.clear()  # the host gradients go now, not at the next step
         if record.failed:
             _raise_step_error(record)
-        if len(self.opt._param_index) != len(self.group_of):  # checked once the step is done
+        if len(self.opt._param_index) != len(self.owned):  # checked once the step is done
             raise RuntimeError("parameters were added after attach_hooks() and are never "
                                "updated: call opt.detach_hooks(), then opt.attach_hooks(model)")
         if self.tuner is not None and not record.held:
             self.tuner.after_step(self, stats, backward_s=entered - record.began)
         return stats
 
+    def _flush(self, record: StepRecord) -> None:
+        calls = []
+        for lane in self.lanes.values():
+            if record.skip:
+                fn = lane.drop
+            else:
+                fn = functools.partial(lane.flush, record,
+                                       functools.partial(self.correct_on_lane, lane, record))
+            calls.append((lane, lane.call(fn)))
+        for lane, unit in calls:
+            try:
+                lane.wait(unit, _SYNC_TIMEOUT_S)
+            except (RuntimeError, TimeoutError) as exc:
+                record.fail(exc)
+
+    def _remember_used(self, record: StepRecord) -> None:
+        # A gradient kept in p.grad (release_grads=False) must not be used twice: a second
+        # step without a new backward updates nothing.
+        self._used = {p: (weakref.ref(p.grad), p.grad._version)
+                      for p in record.jobs if p.grad is not None}
+
     def _stats(self, record: StepRecord, waited: float) -> StepStats:
         stats = StepStats(host_update_s=record.host_update_s, sync_wait_s=waited,
-                          num_params=len(record.updated), num_batches=record.num_batches)
+                          num_params=0 if record.skip else len(record.updated),
+                          num_batches=record.num_batches, grad_norm=record.grad_norm,
+                          skipped=record.skip)
         for lane in self.lanes.values():
             copies = lane.transport.take_stats()
             stats.d2h_s += copies.d2h_s
@@ -229,10 +358,10 @@ class Pipeline:
         """fn(device, params) on each device's worker thread (e.g. to convert state there)."""
         calls = []
         for device, lane in self.lanes.items():
-            params = [p for p in self.group_of if p.device == device]
+            params = [p for p in self.owned if p.device == device]
             calls.append((lane, lane.call(functools.partial(fn, device, params))))
         for lane, unit in calls:
-            lane.wait(unit)
+            lane.wait(unit, _SYNC_TIMEOUT_S)
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -243,12 +372,16 @@ class Pipeline:
             self._accumulating -= 1
 
     def detach(self) -> None:
-        if self._record is not None:
-            raise RuntimeError("detach_hooks() during a step: call opt.step_sync() first")
+        """Remove the hooks and stop the workers, always; a step in flight is dropped."""
+        record, self._record = self._record, None
         self._finalizer()
+        interception.unregister(self)
         for lane in self.lanes.values():
             lane.thread.join(timeout=5.0)
             lane.transport.close()
+        if record is not None and record.updated:
+            _log.warning("adambridge: detach_hooks() dropped an unfinished step that had "
+                         "already updated parameters %s", sorted(record.updated))
 
 
 def _model_params(model: torch.nn.Module, owned: list) -> list:
@@ -260,12 +393,27 @@ def _model_params(model: torch.nn.Module, owned: list) -> list:
     return found
 
 
+def _refuse_shared_hooks(hooked: list, opt: Any) -> None:
+    for p in hooked:
+        if interception.hooked_anywhere([p]):
+            raise RuntimeError(f"attach_hooks(): parameter {opt._param_index[p]} already has "
+                               f"the hooks of another AdamBridge optimizer; give each "
+                               f"optimizer its own parameters, or detach the other first")
+
+
 def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], None]:
     def post_accumulate_grad_hook(p: torch.Tensor) -> None:
         pipeline = pipeline_ref()
         if pipeline is not None:
             pipeline.on_grad(p)
     return post_accumulate_grad_hook
+
+
+def _backward_ended(pipeline_ref: "weakref.ref[Pipeline]", task: int) -> None:
+    pipeline = pipeline_ref()
+    if pipeline is not None and pipeline._open_task == task:
+        pipeline._open_task = None
+        pipeline._micro += 1
 
 
 def _shut_down(handles: list, queues: list) -> None:
@@ -277,7 +425,7 @@ def _shut_down(handles: list, queues: list) -> None:
 
 def _raise_step_error(record: StepRecord) -> None:
     exc, where = record.errors[0]
-    if record.updated:
+    if record.updated and not record.skip:
         done = (f"this step had already updated parameters {sorted(record.updated)}; the other "
                 f"parameters and their state are as before the step")
     else:
@@ -285,7 +433,11 @@ def _raise_step_error(record: StepRecord) -> None:
     if where:
         raise RuntimeError(f"adambridge: {where} failed ({type(exc).__name__}: {exc}); "
                            f"{done}") from exc
-    raise type(exc)(f"{exc}; {done}") from None
+    try:
+        error = type(exc)(f"{exc}; {done}")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        error = RuntimeError(f"{type(exc).__name__}: {exc}; {done}")
+    raise error from None
 
 
 def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 
 @dataclass
@@ -12,7 +13,10 @@ class StepStats:
     spent copying gradients down and weights up (summed over copies); ``sync_wait_s``: how
     long ``step_sync()`` (or ``step()``) waited for the host; ``wall_s``: from the first
     gradient of the step to the end of ``step_sync()``; ``d2h_bytes`` / ``h2d_bytes``: bytes
-    moved each way; ``num_params`` / ``num_batches``: parameters updated and native calls made.
+    moved each way; ``num_params`` / ``num_batches``: parameters updated and native calls made;
+    ``grad_norm``: the total gradient norm torch's ``clip_grad_norm_`` returned this step
+    (``max_grad_norm``, or a clipping call routed to the optimizer), else None; ``skipped``:
+    GradScaler found inf/NaN and the step changed nothing.
     """
 
     host_update_s: float = 0.0
@@ -24,6 +28,8 @@ class StepStats:
     h2d_bytes: int = 0
     num_params: int = 0
     num_batches: int = 0
+    grad_norm: Optional[float] = None
+    skipped: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -3,7 +3,9 @@
 pipeline.py enqueues Pieces (a chunk of one parameter's gradient whose copy to the host was
 started); a Lane's thread takes every piece whose copy has landed, runs ONE adamw_update for
 all of them, starts the copies back and commits each parameter's step when its last piece is
-done. See pipeline.py for who waits on whom and what a fault leaves behind.
+done. While a step is *held* (its first step, a GradScaler step, or once a step-wide fact
+such as the gradient norm is being decided) landed pieces wait for ``finish``. See
+pipeline.py for who waits on whom and what a fault leaves behind.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import torch
 from . import state as host_state
 from . import topology
 from .functional import adamw_update
-from .optimizer import _can_alias_master
 
 _log = logging.getLogger("adambridge")
 _POLL_S = 0.1       # how often a waiting thread checks that the thread it waits on lives
@@ -54,21 +55,33 @@ def _pin_current_thread(cpus: tuple[int, ...]) -> None:
 
 
 class StepRecord:
-    """What one step has done so far, shared by the hooks, the workers and step_sync."""
+    """What one step has done so far, shared by the hooks, the workers and finish.
 
-    def __init__(self, held: bool) -> None:
+    Nothing in it points back at the record (no Job -> record edge), so a finished step is
+    freed by reference counting alone, with its gradients, even with the cyclic GC off.
+    """
+
+    def __init__(self, held: bool, clip_watch: Optional[float] = None) -> None:
         self.lock = threading.Lock()
-        self.held = held
+        self.held = held            # update nothing before finish (first or GradScaler step)
+        self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
+        self.clip_watch = clip_watch  # expected max_norm: hold once the landed norm passes it
+        self.landed_sq = 0.0        # squared 2-norm of the gradients watched so far
         self.began = time.perf_counter()
         self.jobs: dict[torch.Tensor, "Job"] = {}
         self.errors: list[tuple[BaseException, str]] = []
         self.updated: list[int] = []
         self.host_update_s = 0.0
         self.num_batches = 0
+        self.grad_norm: Optional[float] = None
+        self.skip = False           # GradScaler found inf/NaN: the step is not applied
 
     @property
     def failed(self) -> bool:
         return bool(self.errors)
+
+    def holds(self) -> bool:
+        return self.held or self.hold_rest
 
     def fail(self, exc: BaseException, where: str = "") -> None:
         with self.lock:
@@ -85,11 +98,18 @@ class Job:
     group: dict
     state: Optional[dict]           # None until this update creates it
     step: int
-    grad: torch.Tensor              # flat host gradient
+    grad: torch.Tensor              # flat host gradient (kept until the step finishes)
     out: Optional[torch.Tensor]     # flat host copy of the new weights (None: into p/master)
     source: Optional[torch.Tensor]  # p's values, when this update creates the master
     pieces_left: int
-    record: StepRecord
+    transport: Any = None
+    # [start, end) ranges updated before the step's facts were known (speculatively)
+    updated_ranges: list = field(default_factory=list)
+    grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.updated_ranges)
 
 
 @dataclass(eq=False)
@@ -107,6 +127,7 @@ class Piece:
     end: int
     ticket: Any
     writeback: WriteBack
+    record: StepRecord
 
 
 @dataclass(eq=False)
@@ -129,24 +150,43 @@ class Lane:
         self.transport = transport
         self.backend = backend
         self.overlap_writeback = overlap_writeback
+        self.cpus = cpus
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Piece] = []
         self._deferred: list[WriteBack] = []
-        self.thread = threading.Thread(target=_serve, args=(weakref.ref(self), self.queue, cpus),
-                                       name=f"adambridge-{transport.device}", daemon=True)
-        self.thread.start()
+        self.thread = self._start_thread()
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=_serve, args=(weakref.ref(self), self.queue, self.cpus),
+                                  name=f"adambridge-{self.transport.device}", daemon=True)
+        thread.start()
+        return thread
+
+    def revive(self) -> bool:
+        """Start a new worker thread if the old one has died; True if it had."""
+        if self.thread.is_alive():
+            return False
+        self.queue = queue.SimpleQueue()
+        self._held, self._deferred = [], []
+        self.thread = self._start_thread()
+        return True
 
     def call(self, fn: Callable[[], Any]) -> Call:
         unit = Call(fn)
         self.queue.put(unit)
         return unit
 
-    def wait(self, unit: Call) -> None:
-        """Block until the worker has run ``unit``; raise if the worker died meanwhile."""
+    def wait(self, unit: Call, timeout_s: Optional[float] = None) -> None:
+        """Block until the worker has run ``unit``; raise if it died or ``timeout_s`` passed."""
+        began = time.monotonic()
         while not unit.done.wait(_POLL_S):
             if not self.thread.is_alive():
                 raise RuntimeError(f"the adambridge worker thread for {self.transport.device} "
-                                   f"has died; build a new optimizer")
+                                   f"has died; the next step starts a new one")
+            if timeout_s is not None and time.monotonic() - began > timeout_s:
+                raise TimeoutError(f"the adambridge worker thread {self.thread.name!r} has not "
+                                   f"answered for {timeout_s:.0f} s (a hung kernel call or "
+                                   f"copy?); raise ADAMBRIDGE_SYNC_TIMEOUT if that is expected")
         if unit.error is not None:
             raise unit.error
 
@@ -171,19 +211,35 @@ class Lane:
                 nxt = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(nxt, Piece) and nxt.ticket.ready():
+            if isinstance(nxt, Piece) and nxt.record is unit.record and nxt.ticket.ready():
                 batch.append(nxt)
             else:
                 carry = nxt
-        if unit.job.record.held:
+        if self._must_hold(batch):
             self._held.extend(batch)
         else:
-            self.run(batch)
+            self.run(batch, speculative=True)
         return carry
 
-    def run(self, batch: list[Piece]) -> None:
+    def _must_hold(self, batch: list[Piece]) -> bool:
+        record = batch[0].record
+        if record.holds():
+            return True
+        if record.clip_watch is None:
+            return False
+        # Clipping is expected: keep updating only while the norm so far stays under the
+        # limit; once it passes, clipping will fire, so hold the rest for the exact update.
+        landed = sum(float(torch.linalg.vector_norm(p.job.grad[p.start:p.end],
+                                                    dtype=torch.float32)) ** 2 for p in batch)
+        with record.lock:
+            record.landed_sq += landed
+            if record.landed_sq ** 0.5 > record.clip_watch:
+                record.hold_rest = True
+        return record.hold_rest
+
+    def run(self, batch: list[Piece], speculative: bool = False) -> None:
         """Update a batch in one adamw_update call, then send back and commit what is done."""
-        record = batch[0].job.record
+        record = batch[0].record
         if record.failed:
             return
         try:
@@ -195,20 +251,22 @@ class Lane:
                 record.host_update_s += elapsed
                 record.num_batches += 1
             for piece in batch:
+                if speculative:
+                    piece.job.updated_ranges.append((piece.start, piece.end))
                 self._done(piece)
-        except Exception as exc:  # noqa: BLE001 - re-raised by step_sync
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
 
     def _item(self, piece: Piece) -> Any:
         job = piece.job
         if job.state is None:  # first update: the master is made here, first touched by us
-            alias = _can_alias_master(job.p)
+            alias = job.opt.aliases_master(job.p)
             source = job.p.detach() if alias else job.source
             job.state = job.opt.state[job.p] = host_state.new_state(source, job.opt.precision,
                                                                     alias=alias)
         out = None if job.out is None else job.out[piece.start:piece.end]
-        return job.opt._range_item(job.p, job.group, job.state, job.step,
-                                   job.grad[piece.start:piece.end], out, piece.start)
+        return job.opt.range_item(job.p, job.group, job.state, job.step,
+                                  job.grad[piece.start:piece.end], out, piece.start)
 
     def _done(self, piece: Piece) -> None:
         writeback = piece.writeback
@@ -222,21 +280,33 @@ class Lane:
         job.pieces_left -= 1
         if job.pieces_left == 0:
             job.state["step"].fill_(job.step)
-            with job.record.lock:
-                job.record.updated.append(job.index)
+            with piece.record.lock:
+                piece.record.updated.append(job.index)
 
-    def flush(self, record: StepRecord) -> None:
-        """Worker side of step_sync: run what was held, send what was deferred."""
+    def drop(self) -> None:
+        """Forget the held pieces and deferred copies of a step that will not finish."""
+        self._held, self._deferred = [], []
+
+    def flush(self, record: StepRecord, before: Callable[[], None]) -> None:
+        """Worker side of finish: ``before`` (corrections), run what was held, send deferred.
+
+        Deferred copies back are sent even if the step failed: they belong to parameters
+        whose update was committed, and the device must not keep the old weights.
+        """
         held, self._held = self._held, []
+        if not record.failed:
+            try:
+                before()
+            except BaseException as exc:  # noqa: BLE001
+                record.fail(exc, f"correcting the speculative updates on {self.transport.device}")
         if held and not record.failed:
             self.run(held)
         deferred, self._deferred = self._deferred, []
         for writeback in deferred:
-            if not record.failed:
-                try:
-                    writeback.send()
-                except Exception as exc:  # noqa: BLE001
-                    record.fail(exc, f"the copy back to {self.transport.device}")
+            try:
+                writeback.send()
+            except Exception as exc:  # noqa: BLE001
+                record.fail(exc, f"the copy back to {self.transport.device}")
 
 
 def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[int, ...]) -> None:
@@ -261,9 +331,9 @@ def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[
         unit, carry = carry, None
         try:
             carry = lane.handle(unit)
-        except Exception as exc:  # noqa: BLE001 - e.g. a failed copy: step_sync raises it
+        except BaseException as exc:  # noqa: BLE001 - e.g. a failed copy: finish raises it
             if isinstance(unit, Piece):
-                unit.job.record.fail(exc, f"the copy to the host for {lane.transport.device}")
+                unit.record.fail(exc, f"the copy to the host for {lane.transport.device}")
             else:
                 _log.exception("adambridge worker: unexpected error")
         del lane, unit

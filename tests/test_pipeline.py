@@ -152,8 +152,9 @@ def test_detach_hooks_returns_to_step_and_stats_are_filled():
     stats = opt.step_sync()
     assert isinstance(stats, StepStats) and stats.num_params == 8
     assert stats.wall_s >= stats.sync_wait_s >= 0 and stats.host_update_s > 0
-    with pytest.raises(RuntimeError, match=r"step\(\) cannot run while hooks are attached.*step_sync"):
-        opt.step()
+    opt.step()  # with hooks attached step() finishes a step: no new backward, no update
+    assert opt.last_step_stats.num_params == 0
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
     opt.detach_hooks()
     with pytest.raises(RuntimeError, match=r"step_sync\(\) needs hooks: call opt.attach_hooks"):
         opt.step_sync()
@@ -423,9 +424,16 @@ def test_fault_second_backward_without_accumulate_is_a_clear_error():
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
     opt.attach_hooks(model)
     model(torch.randn(2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"second gradient before step_sync.*opt.accumulate"):
+    with pytest.raises(RuntimeError, match=r"second gradient before the optimizer step.*opt.accumulate"):
         model(torch.randn(2, 8)).sum().backward()
+    # The refused backward did not finish: the step says so, having changed nothing.
+    with pytest.raises(RuntimeError, match=r"backward pass of this step did not finish.*no "
+                                           r"parameter or optimizer state was changed"):
+        opt.step_sync()
+    opt.zero_grad()
+    model(torch.randn(2, 8)).sum().backward()
     opt.step_sync()
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
 
 
 def test_worker_exits_when_optimizer_is_collected():

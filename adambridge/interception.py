@@ -1,0 +1,141 @@
+"""Routes torch's gradient clipping and GradScaler's unscale to attached pipelines.
+
+In asynchronous mode a gradient leaves ``p.grad`` (``release_grads=True``) as soon as its
+copy lands, so ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler.unscale_`` would find
+nothing and silently clip or unscale nothing. Every framework reaches them through the
+same few torch entry points (HF Trainer and accelerate through ``accelerator.clip_grad_norm_``,
+Lightning through ``precision.clip_gradients``, all of them through ``GradScaler``), so while
+at least one pipeline is attached those entry points are wrapped:
+
+- ``clip_grad_norm_`` / ``clip_grads_with_norm_`` / ``clip_grad_value_`` over parameters
+  that an attached pipeline hooks are answered by that pipeline (exact clipping of the
+  host gradients, see step_facts.py); every other call goes to torch unchanged.
+- ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
+  pipeline (unscale and inf check of the host gradients).
+
+The wrappers are installed by the first attach and removed by the last detach.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad_module
+
+_lock = threading.Lock()
+_pipelines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_originals: dict = {}
+
+
+def _params(parameters: Any) -> list:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def _owner(params: list) -> Optional[Any]:
+    """The attached pipeline hooking any of ``params``; an error if two would be involved."""
+    owners = {id(pl): pl for pl in list(_pipelines) for p in params if pl.hooks(p)}
+    if len(owners) > 1:
+        raise RuntimeError("clip_grad_norm_ over parameters of two AdamBridge optimizers with "
+                           "hooks attached: clip each optimizer's parameters separately")
+    return next(iter(owners.values()), None)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    params = _params(parameters)
+    pipeline = _owner(params)
+    if pipeline is None:
+        return _originals["clip_grad_norm_"](params, max_norm, norm_type,
+                                             error_if_nonfinite, foreach)
+    return pipeline.clip_grad_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)
+
+
+def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                          foreach: Optional[bool] = None) -> None:
+    params = _params(parameters)
+    pipeline = _owner(params)
+    if pipeline is None:
+        return _originals["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+    pipeline.clip_with_norm(params, float(max_norm), total_norm)
+    return None
+
+
+def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
+    params = _params(parameters)
+    pipeline = _owner(params)
+    if pipeline is None:
+        return _originals["clip_grad_value_"](params, clip_value, foreach)
+    pipeline.clip_value(params, float(clip_value))
+    return None
+
+
+def _unscale_grads_(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+    pipeline = getattr(optimizer, "_pipeline", None)
+    if pipeline is None or pipeline not in _pipelines:
+        return _originals["_unscale_grads_"](scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    return pipeline.unscale_grads(inv_scale, found_inf, allow_fp16)
+
+
+_WRAPPERS = {
+    "clip_grad_norm_": clip_grad_norm_,
+    "clip_grads_with_norm_": clip_grads_with_norm_,
+    "clip_grad_value_": clip_grad_value_,
+}
+
+
+def _install() -> None:
+    for name, wrapper in _WRAPPERS.items():
+        original = getattr(clip_grad_module, name, None)
+        if original is None:
+            continue
+        _originals[name] = original
+        setattr(clip_grad_module, name, wrapper)
+        if getattr(nn_utils, name, None) is original:
+            setattr(nn_utils, name, wrapper)
+    from torch.amp.grad_scaler import GradScaler
+    _originals["_unscale_grads_"] = GradScaler._unscale_grads_
+    GradScaler._unscale_grads_ = _unscale_grads_
+
+
+def _uninstall() -> None:
+    for name, wrapper in _WRAPPERS.items():
+        if name not in _originals:
+            continue
+        if getattr(clip_grad_module, name, None) is wrapper:
+            setattr(clip_grad_module, name, _originals[name])
+        if getattr(nn_utils, name, None) is wrapper:
+            setattr(nn_utils, name, _originals[name])
+    from torch.amp.grad_scaler import GradScaler
+    if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
+        GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
+    _originals.clear()
+
+
+def register(pipeline: Any) -> None:
+    with _lock:
+        if not _originals:
+            _install()
+        _pipelines.add(pipeline)
+
+
+def unregister(pipeline: Any) -> None:
+    with _lock:
+        _pipelines.discard(pipeline)
+        if not _pipelines and _originals:
+            _uninstall()
+
+
+def original_clip_grad_norm_() -> Any:
+    """torch's own clip_grad_norm_, whether or not the wrapper is installed."""
+    return _originals.get("clip_grad_norm_", clip_grad_module.clip_grad_norm_)
+
+
+def hooked_anywhere(params: Iterable[torch.Tensor]) -> bool:
+    params = list(params)
+    return any(pl.hooks(p) for pl in list(_pipelines) for p in params)

@@ -90,14 +90,17 @@ _WRAPPERS = {
 
 
 def _install() -> None:
+    # Public names of torch.nn.utils, and the same objects where clip_grad.py defines them
+    # (clip_grads_with_norm_ is _clip_grads_with_norm_ there).
     for name, wrapper in _WRAPPERS.items():
-        original = getattr(clip_grad_module, name, None)
+        original = getattr(nn_utils, name, None)
         if original is None:
             continue
         _originals[name] = original
-        setattr(clip_grad_module, name, wrapper)
-        if getattr(nn_utils, name, None) is original:
-            setattr(nn_utils, name, wrapper)
+        setattr(nn_utils, name, wrapper)
+        for module_name, value in list(vars(clip_grad_module).items()):
+            if value is original:
+                setattr(clip_grad_module, module_name, wrapper)
     from torch.amp.grad_scaler import GradScaler
     _originals["_unscale_grads_"] = GradScaler._unscale_grads_
     GradScaler._unscale_grads_ = _unscale_grads_
@@ -107,10 +110,10 @@ def _uninstall() -> None:
     for name, wrapper in _WRAPPERS.items():
         if name not in _originals:
             continue
-        if getattr(clip_grad_module, name, None) is wrapper:
-            setattr(clip_grad_module, name, _originals[name])
-        if getattr(nn_utils, name, None) is wrapper:
-            setattr(nn_utils, name, _originals[name])
+        for module in (nn_utils, clip_grad_module):
+            for module_name, value in list(vars(module).items()):
+                if value is wrapper:
+                    setattr(module, module_name, _originals[name])
     from torch.amp.grad_scaler import GradScaler
     if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
         GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
@@ -131,9 +134,16 @@ def unregister(pipeline: Any) -> None:
             _uninstall()
 
 
+def release_unused() -> None:
+    """Remove the wrappers once no pipeline is left (also when pipelines were collected)."""
+    with _lock:
+        if _originals and not any(True for _ in _pipelines):
+            _uninstall()
+
+
 def original_clip_grad_norm_() -> Any:
     """torch's own clip_grad_norm_, whether or not the wrapper is installed."""
-    return _originals.get("clip_grad_norm_", clip_grad_module.clip_grad_norm_)
+    return _originals.get("clip_grad_norm_", nn_utils.clip_grad_norm_)
 
 
 def hooked_anywhere(params: Iterable[torch.Tensor]) -> bool:

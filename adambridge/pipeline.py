@@ -91,6 +91,8 @@ class Pipeline(FactsMixin):
         self._open_task: Optional[int] = None  # graph task whose end callback is pending
         self._used: dict = {}       # p -> (weakref of the kept p.grad, its version) used
         self.uses_grad_scaler = False
+        self.clips_by_value = False
+        self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.tuner = None
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
@@ -98,6 +100,7 @@ class Pipeline(FactsMixin):
         queues = [lane.queue for lane in self.lanes.values()]
         self._finalizer = weakref.finalize(self, _shut_down, handles, queues)
         interception.register(self)
+        weakref.finalize(self, interception.release_unused)
 
     @property
     def opt(self) -> Any:
@@ -170,7 +173,8 @@ class Pipeline(FactsMixin):
         with self._record_lock:
             if self._record is None:
                 self._refresh_groups()
-                record = StepRecord(held=not self._warm or self.uses_grad_scaler,
+                held = not self._warm or self.uses_grad_scaler or self.clips_by_value
+                record = StepRecord(held=held,
                                     clip_watch=self._clip_watch())
                 self._check_layouts(record)
                 self._record = record

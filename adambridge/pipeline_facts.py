@@ -8,6 +8,7 @@ that is exact, and when a speculative update needs ``correct``).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
@@ -15,6 +16,8 @@ import torch
 
 from . import step_facts
 from .worker import Job, StepRecord
+
+_log = logging.getLogger("adambridge")
 
 
 class FactsMixin:
@@ -64,11 +67,14 @@ class FactsMixin:
 
     def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         record = self._settled()
+        if math.isfinite(max_norm):
+            self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
         self._clip(jobs, others, total.detach().to("cpu"), max_norm)
 
     def clip_value(self, params: list, clip_value: float) -> None:
         record = self._settled()
+        self.clips_by_value = True  # no norm predicts it: hold later steps for exactness
         jobs, others = self._jobs_of(record, params)
         for grad in others:
             grad.clamp_(min=-clip_value, max=clip_value)
@@ -131,10 +137,24 @@ class FactsMixin:
             out = None if job.out is None else job.out[start:end]
             item = job.opt.range_item(job.p, job.group, job.state, job.step,
                                       job.grad[start:end], out, start)
-            step_facts.correct(item, job.grad_before[start:end])
+            saved = job.saved_moments.get((start, end))
+            if saved is None:
+                self._warn_approximate(item.precision)
+                step_facts.correct(item, job.grad_before[start:end])
+            else:
+                step_facts.redo(item, saved, job.grad_before[start:end],
+                                self.lanes[job.p.device].backend)
             job.transport.to_device(job.p, start, end)
 
     # -- helpers
+
+    def _warn_approximate(self, precision: str) -> None:
+        if not self.warned_approximate:
+            self.warned_approximate = True
+            _log.warning("adambridge: clipping first fired after speculative updates with %s "
+                         "moments; those updates were corrected approximately. Clip from the "
+                         "first step (or pass max_grad_norm=) so the moments are kept and "
+                         "every correction is exact", precision)
 
     def _note_grad_scaler(self, record: StepRecord) -> None:
         self.uses_grad_scaler = True  # from now on every step is held until the scaler decides

@@ -8,9 +8,11 @@ the update (DESIGN.md section 8):
 - every host gradient is kept until the step finishes, so the fact can be computed from it
   with torch's own formulas (``total_norm``, ``clip_coef``, ``unscale_``);
 - a step that turns out to need a different gradient for a parameter already updated (clipping
-  fired) is *corrected*: the update that gradient ``g`` made is moved to the one ``g'`` makes,
-  from the new state and both gradients (``correct``); with fp32 moments this matches sync
-  ``clip_grad_norm_`` + ``step()`` to fp32 rounding, not bit for bit;
+  fired) is *redone*: while clipping is expected the moments of each speculative update are
+  kept (``snapshot_moments``), and ``redo`` recovers the master and updates again with the
+  final gradient: moments as sync, the master within an ulp or two of sync
+  ``clip_grad_norm_`` + ``step()``. Without kept moments (clipping first used mid-training)
+  the update is moved algebraically (``correct``), an approximation the pipeline warns of;
 - GradScaler steps, and steps where the norm so far already passes the limit, are *held*:
   their updates wait for the fact and are then exact.
 """
@@ -61,7 +63,7 @@ def scale_by(coef: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return apply
 
 
-def unscale_(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's unscale and inf check on host gradients, with torch's own kernel."""
     by_dtype: dict = {}
     for grad in grads:
@@ -83,7 +85,7 @@ def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
 
     The state holds m_s = b1*m + (1-b1)*g and v_s = b2*v + (1-b2)*g*g, and the master
     p_s = p*decay - step_size*m_s/d_s. With g' the gradient that should have been used:
-    m' = m_s + (1-b1)*(g'-g), v' = v_s + (1-b2)*(g'*g' - g*g), and
+    m' = m_s + (1-b1)*(g'-g), v' = max(v_s + (1-b2)*(g'*g' - g*g), (1-b2)*g'*g'), and
     p' = p_s + step_size*(m_s/d_s - m'/d'). Moments are re-encoded in their precision
     (with the step's stochastic-rounding bits), the low-precision copy is rewritten.
     """
@@ -91,7 +93,10 @@ def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
     g_old, g_new = grad_before.float(), item.grad.float()
     m_s, v_s = reference._load_moments(item)
     m = m_s + (g_new - g_old) * h.one_minus_beta1
-    v = (v_s + (g_new * g_new - g_old * g_old) * h.one_minus_beta2).clamp_(min=0.0)
+    # v' = b2*v + (1-b2)*g'*g' >= (1-b2)*g'*g': the bound keeps the rounding of a coarse
+    # v_s (bf16, fp8) from leaving v' near 0, where m'/d' would explode.
+    floor = (g_new * g_new) * h.one_minus_beta2
+    v = torch.maximum(v_s + (g_new * g_new - g_old * g_old) * h.one_minus_beta2, floor)
     d_s = sqrt_f32(v_s) / h.bc2_sqrt + h.eps
     s = sqrt_f32(v)
     d = s / h.bc2_sqrt + h.eps
@@ -102,5 +107,40 @@ def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
         item.out.copy_(master)  # rounds to nearest even, like the kernel's write-back
 
 
-def changed(before: Optional[torch.Tensor], after: torch.Tensor) -> bool:
-    return before is not None and not torch.equal(before, after)
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
+def snapshot_moments(item: UpdateItem) -> tuple:
+    """The moments of ``item``'s range before a speculative update (8, 4 or ~2 B/param).
+
+    ``correct`` alone loses v when clipping is strong (v' = v_s - (1-b2)*(g*g - g'*g')
+    cancels) and low-precision moments are too coarse for it (an fp8 v carries 2 mantissa
+    bits), so while clipping may fire the moments are kept and the update is redone.
+    """
+    return tuple(None if getattr(item, k) is None else getattr(item, k).clone()
+                 for k in _MOMENT_KEYS)
+
+
+def redo(item: UpdateItem, saved: tuple, grad_before: torch.Tensor, backend: str) -> None:
+    """Redo ``item``'s update from the saved moments and the master recovered from its state.
+
+    The speculative update computed m_s, d_s in fp32 from the saved moments and
+    ``grad_before`` (the same lines as reference.update_range, so the same bits), then
+    stored p_s = p*decay - step_size*m_s/d_s: the master is recovered as
+    (p_s + step_size*m_s/d_s) / decay, within an ulp or two. The moments of the redone
+    update equal sync's exactly (same inputs, same rounding bits).
+    """
+    h = item.hyper
+    for key, value in zip(_MOMENT_KEYS, saved):
+        if value is not None:
+            getattr(item, key).copy_(value)
+    g = grad_before.float()
+    m, v = reference._load_moments(item)
+    m = m * h.beta1
+    m = m + g * h.one_minus_beta1
+    v = v * h.beta2
+    v = v + (g * g) * h.one_minus_beta2
+    d = sqrt_f32(v) / h.bc2_sqrt + h.eps
+    item.master.copy_((item.master + h.step_size * (m / d)) / h.decay)
+    from .functional import adamw_update
+    adamw_update([item], backend)

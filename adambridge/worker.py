@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import state as host_state
-from . import topology
+from . import step_facts, topology
 from .functional import adamw_update
 
 _log = logging.getLogger("adambridge")
@@ -106,6 +106,7 @@ class Job:
     # [start, end) ranges updated before the step's facts were known (speculatively)
     updated_ranges: list = field(default_factory=list)
     grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
+    saved_moments: dict = field(default_factory=dict)  # range -> moments before the update
 
     @property
     def speculative(self) -> bool:
@@ -244,6 +245,8 @@ class Lane:
             return
         try:
             items = [self._item(piece) for piece in batch]
+            if speculative and record.clip_watch is not None:
+                _keep_moments(batch, items)
             began = time.perf_counter()
             adamw_update(items, self.backend)
             elapsed = time.perf_counter() - began
@@ -307,6 +310,12 @@ class Lane:
                 writeback.send()
             except Exception as exc:  # noqa: BLE001
                 record.fail(exc, f"the copy back to {self.transport.device}")
+
+
+def _keep_moments(batch: list[Piece], items: list) -> None:
+    # Clipping may fire after this speculative update: step_facts.redo needs the moments.
+    for piece, item in zip(batch, items):
+        piece.job.saved_moments[(piece.start, piece.end)] = step_facts.snapshot_moments(item)
 
 
 def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[int, ...]) -> None:

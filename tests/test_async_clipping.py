@@ -129,8 +129,19 @@ def test_clipping_low_precision_moments_redo_equals_sync(precision, max_norm):
 
 
 def test_clipping_first_used_mid_training_with_fp8_moments_warns(caplog):
+    model = _model()
+    opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", precision="fp8",
+                     small_param_threshold=100)
+    opt.attach_hooks(model)
     with caplog.at_level("WARNING", logger="adambridge"):
-        _run(True, clip="torch", max_norm=0.5, precision="fp8", torch_clip_from=3)
+        for i, (x, y) in enumerate(_data(3)):
+            (((model(x) - y) ** 2).mean() * 20).backward()
+            if i == 2:  # first clip, after the worker has updated speculatively
+                for lane in opt._pipeline.lanes.values():
+                    lane.wait(lane.call(lambda: None))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
     assert any("corrected approximately" in r.message for r in caplog.records)
 
 

@@ -70,7 +70,7 @@ def _open_root(root: Path) -> Optional[int]:
     if IS_WINDOWS:  # NOTE: no uid/mode bits; %LOCALAPPDATA% is per-user by default.
         root.mkdir(parents=True, exist_ok=True)
         return None
-    return trusted.open_dir(root, create=True)
+    return trusted.open_dir(root, create=True)  # root is a realpath already (see build)
 
 
 def _from_cache(plan: Plan, root_fd: Optional[int], keydir: Path) -> Optional[Built]:
@@ -110,7 +110,8 @@ def _write_manifest(plan: Plan, out_dir: Path, report: dict) -> None:
 
 
 def _make_temp(prefix: str, parent: Optional[Path] = None) -> Path:
-    out = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    # realpath: the loader's walk follows no symlink (TMPDIR may hold one, like macOS's /var)
+    out = Path(os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=parent)))
     os.chmod(out, 0o700)  # mkdtemp asks for 0700, but the umask may take bits away
     return out
 
@@ -183,18 +184,16 @@ def remove_dead_temps(root: Path) -> list:
     return removed
 
 
-def _remove_if_damaged(root_fd: Optional[int], keydir: Path) -> None:
-    """Under the lock: delete keydir's library unless it verifies (another process repaired it)."""
+def _remove_if_unchanged(keydir: Path, broken: trusted.Damaged) -> None:
+    """Under the lock: delete the library that failed, unless another process replaced it since."""
     try:
-        os.close(trusted.verify_library(keydir, LIB_NAME, MANIFEST).fd)
+        now = os.lstat(keydir / LIB_NAME)
+    except FileNotFoundError:
         return
-    except trusted.Untrusted:
-        return  # _from_cache turns it into a private build; nothing of ours to delete
-    except trusted.Damaged:
-        pass
-    for name in (LIB_NAME, MANIFEST):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(keydir / name)
+    if broken.st is not None and trusted.same_file(now, broken.st):
+        for name in (LIB_NAME, MANIFEST):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(keydir / name)
 
 
 _private: dict = {}
@@ -227,11 +226,11 @@ def build_private(src_dir: Optional[Path], reason: str) -> Built:
 
 
 def build(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, *,
-          repair: bool = False) -> Built:
+          broken: Optional[trusted.Damaged] = None) -> Built:
     """The library for src_dir, from the cache or compiled now (once across processes).
 
-    repair: the loader found the cached library damaged; unless another process has replaced
-    it meanwhile, it is deleted and built again.
+    broken: why the loader could not use the cached library; unless another process has
+    replaced that file meanwhile, it is deleted and built again.
     """
     until = deadline()  # one bound for discovery and every compiler call of this build
     plan = make_plan(Path(src_dir) if src_dir is not None else CSRC, until=until)
@@ -244,13 +243,13 @@ def build(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, *,
         return _private_build(plan, f"{root} cannot be created ({exc.strerror})", until)
     keydir = root / plan.key
     try:
-        if not repair:
+        if broken is None:
             found = _from_cache(plan, root_fd, keydir)  # the fast path: no lock once published
             if found is not None:
                 return found
         with _file_lock(root / f"{plan.key}.lock"):
-            if repair:
-                _remove_if_damaged(root_fd, keydir)
+            if broken is not None:
+                _remove_if_unchanged(keydir, broken)
             found = _from_cache(plan, root_fd, keydir)  # another process may have built it meanwhile
             if found is None:
                 remove_dead_temps(root)

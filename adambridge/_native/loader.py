@@ -110,30 +110,26 @@ def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) ->
 
     A cached library that is damaged (its hash does not match) or does not load is deleted and
     rebuilt, with one warning; one that another user could have changed is never loaded: a
-    private build is made instead.
+    private build is made instead. A library compiled by this call that fails is an error.
     """
     built = cache.build(src_dir, cache_dir)
-    try:
-        return _load_verified(built), built
-    except trusted.Untrusted as exc:
-        if built.private:
-            raise _untrusted_private(built, exc) from None
-        built = cache.build_private(src_dir, str(exc))
-    except (trusted.Damaged, OSError) as exc:
-        if built.fresh:
-            raise _unloadable(built, exc) from exc
-        build._warn_once("corrupt-cache", f"adambridge could not load its cached library {built.path} "
-                         f"({exc}); it deletes it and builds it again.")
-        built = cache.build(src_dir, cache_dir, repair=True)
-    try:
-        return _load_verified(built), built
-    except trusted.Untrusted as exc:
-        raise _untrusted_private(built, exc) from None
-    except (trusted.Damaged, OSError) as exc:
-        raise _unloadable(built, exc) from exc
+    for _ in range(3):  # cache -> repaired cache -> private, at most
+        try:
+            return _load_verified(built), built
+        except trusted.Untrusted as exc:
+            if built.private:
+                raise _untrusted_private(built, exc) from None
+            built = cache.build_private(src_dir, str(exc))
+        except trusted.Damaged as exc:
+            if built.fresh:
+                raise _unloadable(built, exc) from None
+            build._warn_once("corrupt-cache", f"adambridge could not load its cached library {built.path} "
+                             f"({exc}); it deletes it and builds it again.")
+            built = cache.build(src_dir, cache_dir, broken=exc)
+    raise _unloadable(built, "it kept changing while it was being loaded")
 
 
-def _unloadable(built: build.Built, exc: Exception) -> NativeBuildError:
+def _unloadable(built: build.Built, exc) -> NativeBuildError:
     return NativeBuildError(f"adambridge built {built.path} but cannot load it ({exc}). Check that the "
                             f"compiler targets this Python's architecture, or set ADAMBRIDGE_CC; {INFO_HINT}.")
 

@@ -48,7 +48,16 @@ class Untrusted(Rejected):
 
 
 class Damaged(Rejected):
-    """The library is missing or does not match the sha256 recorded when it was published."""
+    """The library is missing, does not match the sha256 recorded when it was published, or
+    does not load; st is the fstat of the file that failed, None when there was none."""
+
+    def __init__(self, message: str, st: Optional[os.stat_result] = None):
+        super().__init__(message)
+        self.st = st
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -124,15 +133,16 @@ def open_child(dir_fd: int, name: str, shown: str, *, create: bool = False, mine
     return fd
 
 
-def open_dir(path, *, create: bool = False) -> int:
+def open_dir(path, *, create: bool = False, resolve: bool = False) -> int:
     """A descriptor for directory path, every component from / verified (see module doc).
 
     The last component must be this user's; create makes missing ones, 0700 whatever the umask.
-    Raises Untrusted, or FileNotFoundError when a component is missing and create is False.
+    resolve: resolve symlinks in path first (for a path the user configured). Raises Untrusted,
+    or FileNotFoundError when a component is missing and create is False.
     """
-    # NOTE: symlinks are resolved once, by name; the walk then follows none and checks every
-    # directory the resolved path passes through, so a link can only lead to a checked place.
-    names = [n for n in os.path.realpath(path).split(os.sep) if n]
+    # NOTE: symlinks are resolved once, by name, and only when asked; the walk follows none and
+    # checks every directory the path passes through, so a link can only lead to a checked place.
+    names = [n for n in (os.path.realpath(path) if resolve else os.path.abspath(path)).split(os.sep) if n]
     fd = _open_dir_at(None, "/", "/")
     try:
         _check(os.fstat(fd), "/", mine=not names, directory=True)
@@ -202,10 +212,10 @@ def verify_in(dir_fd: int, dir_shown: str, lib_name: str, manifest_name: str) ->
     try:
         data = read_all(fd)
         if not isinstance(expected, str):
-            raise Damaged(f"{dir_shown}/{manifest_name} records no sha256 for {lib_name}")
+            raise Damaged(f"{dir_shown}/{manifest_name} records no sha256 for {lib_name}", st)
         if sha256(data) != expected:
             raise Damaged(f"{shown} ({len(data)} bytes) does not match the sha256 recorded when "
-                          f"it was built, so it is truncated or overwritten")
+                          f"it was built, so it is truncated or overwritten", st)
     except BaseException:
         os.close(fd)
         raise
@@ -221,7 +231,7 @@ def verify_library(directory: Path, lib_name: str, manifest_name: str) -> Verifi
     except FileNotFoundError:
         raise Damaged(f"{directory} is missing") from None
     try:
-        return verify_in(dir_fd, str(Path(os.path.realpath(directory))), lib_name, manifest_name)
+        return verify_in(dir_fd, os.path.abspath(directory), lib_name, manifest_name)
     finally:
         os.close(dir_fd)
 
@@ -232,11 +242,11 @@ def _verify_by_path(directory: Path, lib_name: str, manifest_name: str) -> Verif
         fd = os.open(directory / lib_name, _FILE_FLAGS)
     except (OSError, ValueError, AttributeError) as exc:
         raise Damaged(f"{directory / lib_name} cannot be verified ({exc})") from None
-    data = read_all(fd)
+    data, st = read_all(fd), os.fstat(fd)
     if sha256(data) != expected:
         os.close(fd)
-        raise Damaged(f"{directory / lib_name} does not match the sha256 recorded when it was built")
-    return Verified(fd, str(directory / lib_name), data, os.fstat(fd))
+        raise Damaged(f"{directory / lib_name} does not match the sha256 recorded when it was built", st)
+    return Verified(fd, str(directory / lib_name), data, st)
 
 
 # -- loading exactly the verified file -----------------------------------------------------------
@@ -245,7 +255,14 @@ _held: dict = {}  # (st_dev, st_ino) -> the descriptor whose /proc/self/fd name 
 
 
 def dlopen(verified: Verified) -> ctypes.CDLL:
-    """ctypes.CDLL of the verified file itself; OSError when the dynamic loader refuses it."""
+    """ctypes.CDLL of the verified file itself; Damaged when the dynamic loader refuses it."""
+    try:
+        return _dlopen(verified)
+    except OSError as exc:
+        raise Damaged(str(exc), verified.st) from exc
+
+
+def _dlopen(verified: Verified) -> ctypes.CDLL:
     if IS_WINDOWS:
         os.close(verified.fd)
         return ctypes.CDLL(verified.shown)

@@ -15,7 +15,7 @@ flags=(-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize
 echo "sanitize: $cc ${flags[*]} tests/native/selftest.c"
 "$cc" "${flags[@]}" -pthread -o "$out/selftest" tests/native/selftest.c -lm
 
-# NOTE: LeakSanitizer needs ptrace, which some containers forbid; ASan and UBSan do not.
-export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=0:halt_on_error=1:detect_leaks=0}
+# NOTE: LeakSanitizer needs ptrace; where a container forbids it, set ASAN_OPTIONS=detect_leaks=0.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 "$out/selftest"

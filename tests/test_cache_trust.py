@@ -150,6 +150,39 @@ def test_cache_directories_created_are_0700_whatever_the_umask(mini_src, tmp_pat
     assert stat.S_IMODE(cachemod._make_temp("ab-test-", tmp_path).stat().st_mode) == 0o700
 
 
+WALK = textwrap.dedent("""\
+    import importlib.util, os, sys
+    spec = importlib.util.spec_from_file_location("trusted", sys.argv[1])
+    trusted = sys.modules["trusted"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trusted)
+    print("ok", os.fstat(trusted.open_dir(sys.argv[2])).st_uid)
+    """)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_PATH"), reason="O_PATH is Linux's: elsewhere the walk needs read permission")
+def test_cache_walk_passes_a_directory_one_may_search_but_not_list():
+    as_nobody = _setpriv_or_skip()
+    python = next((p for p in (sys.executable, "/usr/bin/python3") if subprocess.run(
+        [*as_nobody, p, "-c", "pass"], capture_output=True).returncode == 0), None)
+    if python is None:
+        pytest.skip("needs a Python that nobody can run (sys.executable is in a private directory)")
+    base = _public_base()
+    try:
+        (base / "trusted.py").write_bytes(Path(trusted.__file__).read_bytes())
+        (base / "walk.py").write_text(WALK)
+        home = base / "home"
+        home.mkdir()
+        home.chmod(0o711)  # as some systems make /home/<user>: others may pass, not list
+        (home / "cache").mkdir(mode=0o700)
+        os.chown(home / "cache", *_nobody())
+        done = subprocess.run([*as_nobody, python, str(base / "walk.py"), str(base / "trusted.py"), str(home / "cache")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["ok", str(_nobody()[0])]
+    finally:
+        shutil.rmtree(base)
+
+
 # -- only the verified file is loaded ----------------------------------------------------------------
 
 def _mini_with_id(tmp_path: Path, ident: int) -> build.Built:

@@ -31,7 +31,9 @@ from typing import Optional
 
 IS_WINDOWS = sys.platform == "win32"
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
+# NOTE: O_PATH (Linux) opens a directory one may search but not list, such as a 0711 home.
+_DIR_FLAGS = (getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) |
+              getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC | getattr(os, "O_BINARY", 0)
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 # NOTE: dlopen("/proc/self/fd/N") maps the file that descriptor N has open, not a path anyone

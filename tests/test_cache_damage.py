@@ -61,6 +61,21 @@ def test_cache_library_without_a_recorded_hash_is_rebuilt(mini_src, cache):
     assert len(messages) == 1 and "records no sha256" in messages[0]
 
 
+def test_cache_library_that_matches_its_hash_but_does_not_load_is_rebuilt(mini_src, cache):
+    built = cachemod.build(mini_src, cache)
+    garbage = b"\x7fELF but not really a shared library"
+    built.path.write_bytes(garbage)  # a manifest that agrees: only dlopen can tell
+    manifest = built.path.parent / build.MANIFEST
+    manifest.write_text(json.dumps({"sha256": trusted.sha256(garbage), "dropped": {}}))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lib, again = loader._dlopen(mini_src, cache)
+    assert lib.ab_abi_version() == build.abi_version() and again.fresh
+    messages = [str(w.message) for w in _runtime_warnings(record)]
+    assert len(messages) == 1
+    assert f"cached library: {built.path} does not load (" in messages[0] and "/proc/self" not in messages[0]
+
+
 def test_cache_repair_keeps_a_library_another_process_already_rebuilt(mini_src, cache):
     built = cachemod.build(mini_src, cache)
     failed = trusted.Damaged("it did not load", built.path.stat())

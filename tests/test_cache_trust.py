@@ -6,7 +6,6 @@ that need a second user run only as root (which can chown, and act as ``nobody``
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pwd

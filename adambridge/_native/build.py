@@ -172,13 +172,11 @@ def _tail(text: str, lines: int = 8, chars: int = 1500) -> str:
 def build_timeout() -> float:
     """ADAMBRIDGE_BUILD_TIMEOUT in seconds (default 120); ValueError for a bad value."""
     value = os.environ.get("ADAMBRIDGE_BUILD_TIMEOUT", "").strip()
-    if not value:
-        return DEFAULT_BUILD_TIMEOUT
     try:
-        seconds = float(value)
+        seconds = float(value) if value else DEFAULT_BUILD_TIMEOUT
     except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):  # also refuses nan
         raise ValueError(f"Invalid ADAMBRIDGE_BUILD_TIMEOUT: {value!r} (a number of seconds > 0)")
     return seconds
 

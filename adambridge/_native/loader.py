@@ -123,8 +123,8 @@ def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) ->
         except trusted.Damaged as exc:
             if built.fresh:
                 raise _unloadable(built, exc) from None
-            build._warn_once("corrupt-cache", f"adambridge could not load its cached library {built.path} "
-                             f"({exc}); it deletes it and builds it again.")
+            build._warn_once("corrupt-cache", f"adambridge could not load its cached library: {exc}; "
+                             f"it deletes it and builds it again.")
             built = cache.build(src_dir, cache_dir, broken=exc)
     raise _unloadable(built, "it kept changing while it was being loaded")
 

@@ -101,10 +101,10 @@ def _open_dir_at(dir_fd: Optional[int], name: str, shown: str) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
-    except OSError as exc:  # ELOOP: a symlink put there after the path was resolved; ENOTDIR
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR; EACCES
         if os.path.islink(shown):
-            raise Untrusted(f"{shown} is a symbolic link (it was not one when the path was "
-                            f"resolved)") from None
+            raise Untrusted(f"{shown} is a symbolic link, which adambridge does not follow there "
+                            f"(someone may have swapped it in)") from None
         raise Untrusted(f"{shown} cannot be opened as a directory ({exc.strerror})") from None
 
 
@@ -260,8 +260,8 @@ def dlopen(verified: Verified) -> ctypes.CDLL:
     """ctypes.CDLL of the verified file itself; Damaged when the dynamic loader refuses it."""
     try:
         return _dlopen(verified)
-    except OSError as exc:
-        raise Damaged(str(exc), verified.st) from exc
+    except OSError as exc:  # ctypes names /proc/self/fd/N; say which file that was
+        raise Damaged(f"{verified.shown} does not load ({str(exc).rpartition(': ')[2]})", verified.st) from exc
 
 
 def _dlopen(verified: Verified) -> ctypes.CDLL:
@@ -287,7 +287,7 @@ def _dlopen(verified: Verified) -> ctypes.CDLL:
 
 def _dlopen_copy(data: bytes) -> ctypes.CDLL:
     """Load the verified bytes from a fresh 0700 directory (the name is never reused)."""
-    tmp = tempfile.mkdtemp(prefix="adambridge-load-")
+    tmp = os.path.realpath(tempfile.mkdtemp(prefix="adambridge-load-"))
     try:
         os.chmod(tmp, 0o700)
         os.close(open_dir(tmp))  # Untrusted when TMPDIR lies where others can swap it

@@ -45,6 +45,15 @@ def _nobody() -> tuple[int, int]:
     return entry.pw_uid, entry.pw_gid
 
 
+def _setpriv_or_skip() -> list:
+    if not IS_ROOT:
+        pytest.skip("needs root: the attacker runs as nobody through setpriv")
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run the attacker as nobody")
+    uid, gid = _nobody()
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
 def _cc() -> tuple[str, ...]:
     return build.find_compiler().argv
 
@@ -264,15 +273,6 @@ VICTIM = NATIVE_ONLY + textwrap.dedent("""\
         private += built.private
     print(private)
     """)
-
-
-def _setpriv_or_skip() -> list:
-    if not IS_ROOT:
-        pytest.skip("needs root: the attacker runs as nobody through setpriv")
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv (util-linux) to run the attacker as nobody")
-    uid, gid = _nobody()
-    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
 
 
 @pytest.mark.parametrize("mode, private", [(0o777, True), (0o1777, False)], ids=["world-writable", "sticky"])

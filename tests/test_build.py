@@ -7,9 +7,11 @@ session cache that conftest.py sets up, so the kernel is built once per run.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from adambridge._native import build, loader
+from adambridge._native import build, cache as cachemod, loader
 
 X86 = build.machine() == "x86_64"
 
@@ -100,38 +102,46 @@ def test_build_publishes_atomically(mini_src, cache, monkeypatch):
 
     def spy(src, dst):
         src, dst = Path(src), Path(dst)
-        assert src.parent.parent == cache and src.parent.name.startswith(".")  # temp dir in the cache
+        assert src.parent.parent == cache and src.parent.name.startswith(f".{dst.parent.name}.tmp-")
         assert not dst.exists() and src.stat().st_size > 0
         replaced.append(dst.name)
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", spy)
-    built = build.build(mini_src, cache)
+    built = cachemod.build(mini_src, cache)
     assert replaced == [build.MANIFEST, build.LIB_NAME]  # the library last: present means complete
     assert built.path == cache / built.key / build.LIB_NAME and not built.private
     assert sorted(p.name for p in cache.iterdir()) == [built.key, f"{built.key}.lock"]  # no temp left
     assert ctypes.CDLL(str(built.path)).ab_abi_version() == build.abi_version()
-    assert built.fresh
-    again = build.build(mini_src, cache)
+    assert built.fresh and stat.S_IMODE(built.path.parent.stat().st_mode) == 0o700
+    manifest = json.loads((built.path.parent / build.MANIFEST).read_text())
+    assert manifest["sha256"] == hashlib.sha256(built.path.read_bytes()).hexdigest()
+    again = cachemod.build(mini_src, cache)
     assert again.path == built.path and not again.fresh and len(replaced) == 2  # a hit builds nothing
 
 
-_CONCURRENT = textwrap.dedent("""\
-    import ctypes, importlib.util, logging, sys
+# Imports adambridge._native alone, as package "ab_native", so a process starts in milliseconds
+# (adambridge/__init__ would import torch).
+NATIVE_ONLY = textwrap.dedent("""\
+    import importlib.util, logging, sys
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-    spec = importlib.util.spec_from_file_location("ab_build", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ab_build"] = module
-    spec.loader.exec_module(module)
-    built = module.build(sys.argv[2], sys.argv[3])
-    print(ctypes.CDLL(str(built.path)).ab_abi_version(), built.path)
+    spec = importlib.util.spec_from_file_location("ab_native", sys.argv[1],
+                                                  submodule_search_locations=[sys.argv[1].rpartition("/")[0]])
+    native = importlib.util.module_from_spec(spec)
+    sys.modules["ab_native"] = native
+    spec.loader.exec_module(native)
+    """)
+NATIVE_INIT = str(Path(build.__file__).with_name("__init__.py"))
+
+_CONCURRENT = NATIVE_ONLY + textwrap.dedent("""\
+    lib, built = native.loader._dlopen(sys.argv[2], sys.argv[3])
+    print(lib.ab_abi_version(), built.path)
     """)
 
 
 def test_build_concurrent_processes_build_once(mini_src, cache):
-    # build.py is loaded by path so each process starts in milliseconds (no torch import) and
-    # the eight really race for the lock.
-    argv = [sys.executable, "-c", _CONCURRENT, build.__file__, str(mini_src), str(cache)]
+    # The eight really race for the lock: each loads only adambridge._native (see NATIVE_ONLY).
+    argv = [sys.executable, "-c", _CONCURRENT, NATIVE_INIT, str(mini_src), str(cache)]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(8)]
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
@@ -148,23 +158,24 @@ def test_build_insecure_cache_builds_privately_and_warns_once(mini_src, cache, t
     if target == "root":
         cache.chmod(0o777)
     else:
-        built = build.build(mini_src, cache)
+        built = cachemod.build(mini_src, cache)
         (built.path.parent if target == "keydir" else built.path).chmod(0o775)
         loader.reset()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        first = build.build(mini_src, cache)
-        second = build.build(mini_src, cache)
+        first = cachemod.build(mini_src, cache)
+        second = cachemod.build(mini_src, cache)
     assert first.private and first == second
     assert cache not in first.path.parents
     assert ctypes.CDLL(str(first.path)).ab_abi_version() == build.abi_version()
     messages = [str(w.message) for w in _runtime_warnings(record)]
     assert len(messages) == 1
-    assert re.search(r"group- or world-writable .*private temporary directory", messages[0])
+    assert re.search(r"group- or world-writable .*private temporary directory.*python -m adambridge info",
+                     messages[0])
 
 
 def test_build_corrupt_cached_library_is_rebuilt(mini_src, cache):
-    built = build.build(mini_src, cache)
+    built = cachemod.build(mini_src, cache)
     built.path.write_bytes(b"not a shared library")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -181,21 +192,21 @@ def test_build_drops_an_isa_that_does_not_compile(mini_src, cache):
     (mini_src / "kernel_avx512.c").write_text("#error this compiler is too old\n")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        built = build.build(mini_src, cache)
+        built = cachemod.build(mini_src, cache)
     assert set(built.dropped) == {"avx512"} and "too old" in built.dropped["avx512"]
     flags = json.loads((built.path.parent / build.MANIFEST).read_text())["flags"]
     assert "-mavx2" in flags["kernel_avx2.c"] and "-DAB_NO_AVX512" in flags["main.c"]
     assert not any(f.startswith("-march") for f in flags["main.c"])
     assert ctypes.CDLL(str(built.path)).mini_has_avx512() == 0  # common files got -DAB_NO_AVX512
     assert any("without avx512" in str(w.message) for w in _runtime_warnings(record))
-    assert build.build(mini_src, cache).dropped == built.dropped  # read back from the manifest
+    assert cachemod.build(mini_src, cache).dropped == built.dropped  # read back from the manifest
 
 
 def test_build_failure_raises_with_compiler_output(mini_src, cache):
     (mini_src / "main.c").write_text(MINI_MAIN + "int broken(void) { return }\n")
     message = r"could not build its native kernel: compiling main\.c .*error.*ADAMBRIDGE_CC.*python -m adambridge info"
     with pytest.raises(build.NativeBuildError, match=message):
-        build.build(mini_src, cache)
+        cachemod.build(mini_src, cache)
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
 
 
@@ -209,7 +220,7 @@ def test_compiler_env_comes_first(mini_src, cache, tmp_path, monkeypatch):
     wrapper.chmod(0o755)
     monkeypatch.setenv("ADAMBRIDGE_CC", str(wrapper))
     assert build.find_compiler().argv == (str(wrapper),)
-    build.build(mini_src, cache)
+    cachemod.build(mini_src, cache)
     assert "--version" in log.read_text() and "main.c" in log.read_text()
 
 

@@ -1,22 +1,21 @@
-"""Compiling csrc/ into one shared library: compiler discovery, per-ISA flags, the cache, atomic publish.
+"""Compiling csrc/ into one shared library: compiler discovery, per-ISA flags, the cache key, time limits.
 
 Each ISA source is compiled with its own flags (no global -march=native), then everything is
-linked into ``${ADAMBRIDGE_CACHE_DIR:-~/.cache/adambridge}/<key>/libadambridge.so``. The key
-hashes the sources, the flags, the compiler's identity, the machine and the ABI version, so a
-change to any of them builds a new library beside the old one. A build happens in a temp dir
-inside the cache, under a file lock, and is published with ``os.replace``: N processes that
-start at once build once, and nobody ever sees a half-written library.
+linked into one library. The key hashes the sources, the flags, the compiler's identity, the
+machine and the ABI version, so a change to any of them builds a new library beside the old
+one. Where that library lives, and how it is published and verified, is cache.py's business.
 
 ISA files that fail to compile (an old compiler) are dropped, not fatal: the other sources get
 ``-DAB_NO_<ISA>`` so dispatch.c leaves that ISA out of its table, and the build records why.
+
+Every compiler call runs in its own process group under one deadline per build
+(``ADAMBRIDGE_BUILD_TIMEOUT`` seconds, default 120): a compiler that never returns is killed
+with everything it started, and the build fails with one line naming it (issue 10).
 
 Standard library only; importing this module compiles nothing.
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -26,10 +25,9 @@ import platform
 import re
 import shlex
 import shutil
-import stat
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +55,8 @@ if sys.platform.startswith("linux"):
 # MSVC: /fp:precise does not contract a*b+c into an FMA unless /fp:contract is given.
 MSVC_COMPILE = ("/nologo", "/O2", "/fp:precise", "/std:c11", "/experimental:c11atomics")
 MSVC_LINK = ("/nologo", "/LD")
+DEFAULT_BUILD_TIMEOUT = 120.0   # seconds for all compiler calls of one build together
+VERSION_TIMEOUT = 10.0          # seconds for one `--version`: a compiler answers it at once
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Built:
     key: str
     compiler: Compiler
     dropped: dict = field(default_factory=dict, hash=False)  # isa -> why its file failed to compile
-    private: bool = False      # built outside the cache (see _insecure_reason)
+    private: bool = False      # built outside the cache (see cache._private_build)
     fresh: bool = False        # compiled by this call (a load failure then is not a stale file)
 
 
@@ -169,8 +169,64 @@ def _tail(text: str, lines: int = 8, chars: int = 1500) -> str:
     return " / ".join(kept)[-chars:] or "(no output)"
 
 
-def _run(argv: list, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, errors="replace", timeout=600)
+def build_timeout() -> float:
+    """ADAMBRIDGE_BUILD_TIMEOUT in seconds (default 120); ValueError for a bad value."""
+    value = os.environ.get("ADAMBRIDGE_BUILD_TIMEOUT", "").strip()
+    try:
+        seconds = float(value) if value else DEFAULT_BUILD_TIMEOUT
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):  # also refuses nan
+        raise ValueError(f"Invalid ADAMBRIDGE_BUILD_TIMEOUT: {value!r} (a number of seconds > 0)")
+    return seconds
+
+
+def deadline() -> float:
+    """The time.monotonic() by which a build that starts now must be done."""
+    return time.monotonic() + build_timeout()
+
+
+def _run(argv: list, cwd: Optional[Path] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """argv's output; on subprocess.TimeoutExpired (or Ctrl-C) it is killed with all it started.
+
+    NOTE: its own session, so one killpg reaches cc1, as and ld too; killing the direct child
+    alone leaves them holding the output pipes, and reading those would block (issue 10).
+    """
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=not IS_WINDOWS)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        if IS_WINDOWS:
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass  # already gone
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        pipe.close()
+
+
+def _run_compiler(compiler: Compiler, argv: list, cwd: Path, until: float, what: str) -> subprocess.CompletedProcess:
+    """_run for a build step; NativeBuildError in one line when the build's deadline passes."""
+    try:
+        return _run(argv, cwd, timeout=max(0.0, until - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise NativeBuildError(
+            f"adambridge could not build its native kernel: {what} with {compiler.describe()} did "
+            f"not finish within the {build_timeout():g} s that ADAMBRIDGE_BUILD_TIMEOUT allows a "
+            f"build, so it was killed. To fix it, check that {compiler.argv[0]} is a working C "
+            f"compiler (or set ADAMBRIDGE_CC to one), or raise ADAMBRIDGE_BUILD_TIMEOUT; "
+            f"{INFO_HINT}.") from None
 
 
 # -- compiler discovery --------------------------------------------------------------------------
@@ -192,14 +248,17 @@ def _candidates() -> Iterator[tuple[str, tuple[str, ...]]]:
         yield "cl", ("cl",)
 
 
-def _identify(argv: tuple[str, ...]) -> tuple[Optional[Compiler], str]:
-    """A Compiler when argv runs and reports a version, else (None, why not)."""
+def _identify(argv: tuple[str, ...], until: Optional[float]) -> tuple[Optional[Compiler], str]:
+    """A Compiler when argv runs and reports a version (before until), else (None, why not)."""
     exe = argv[0] if argv else ""
     if not exe or (shutil.which(exe) is None and not (os.path.isfile(exe) and os.access(exe, os.X_OK))):
         return None, "not found"
     msvc = Path(exe).name.lower() in ("cl", "cl.exe")
+    timeout = VERSION_TIMEOUT if until is None else max(0.0, min(VERSION_TIMEOUT, until - time.monotonic()))
     try:
-        done = _run(list(argv) if msvc else [*argv, "--version"])
+        done = _run(list(argv) if msvc else [*argv, "--version"], timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"--version did not answer within {timeout:.3g} s"
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"does not run ({exc})"
     banner = (done.stdout + done.stderr).strip()
@@ -213,13 +272,16 @@ def _identify(argv: tuple[str, ...]) -> tuple[Optional[Compiler], str]:
 _compilers: dict = {}
 
 
-def find_compiler() -> Compiler:
-    """The first working compiler (memoized per ADAMBRIDGE_CC and PATH); NoCompilerError if none."""
+def find_compiler(until: Optional[float] = None) -> Compiler:
+    """The first working compiler (memoized per ADAMBRIDGE_CC and PATH); NoCompilerError if none.
+
+    Each candidate gets VERSION_TIMEOUT seconds to answer, and all of them end by until.
+    """
     memo = (os.environ.get("ADAMBRIDGE_CC", ""), os.environ.get("PATH", ""))
     if memo not in _compilers:
         tried = []
         for label, argv in _candidates():
-            compiler, why = _identify(argv)
+            compiler, why = _identify(argv, until)
             if compiler is not None:
                 _compilers[memo] = compiler
                 if tried and memo[0]:  # ADAMBRIDGE_CC was set and did not work
@@ -239,9 +301,10 @@ def find_compiler() -> Compiler:
 
 # -- the plan and its key ------------------------------------------------------------------------
 
-def make_plan(src_dir: Optional[Path] = None, compiler: Optional[Compiler] = None) -> Plan:
+def make_plan(src_dir: Optional[Path] = None, compiler: Optional[Compiler] = None,
+              until: Optional[float] = None) -> Plan:
     src_dir = Path(src_dir) if src_dir is not None else CSRC
-    compiler = compiler or find_compiler()
+    compiler = compiler or find_compiler(until)
     sources = sorted(p.name for p in src_dir.glob("*.c"))
     arch = machine()
     base = MSVC_COMPILE if compiler.msvc else UNIX_COMPILE
@@ -260,7 +323,8 @@ def make_plan(src_dir: Optional[Path] = None, compiler: Optional[Compiler] = Non
     for p in sorted(src_dir.iterdir()):
         if p.suffix in (".c", ".h"):
             digest.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    digest.update(Path(__file__).read_bytes())  # a change to this build logic is a new library
+    for logic in ("build.py", "cache.py"):  # a change to how it is built or published is a new library
+        digest.update(Path(__file__).with_name(logic).read_bytes())
     digest.update(json.dumps({
         "units": [[u.source, u.flags] for u in (*isa_units, *common)],
         "probes": [[s.isa, s.probe_flags, s.probe_define] for s in ISA_SOURCES],
@@ -277,32 +341,34 @@ def _object_name(source: str, compiler: Compiler) -> str:
     return Path(source).stem + (".obj" if compiler.msvc else ".o")
 
 
-def _compile(plan: Plan, unit: Unit, out_dir: Path, defines: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _compile(plan: Plan, unit: Unit, out_dir: Path, until: float,
+             defines: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     c = plan.compiler
     src, obj = plan.src_dir / unit.source, out_dir / _object_name(unit.source, c)
     if c.msvc:
         argv = [*c.argv, *unit.flags, *defines, f"/I{plan.src_dir}", "/c", str(src), f"/Fo{obj}"]
     else:
         argv = [*c.argv, *unit.flags, *defines, f"-I{plan.src_dir}", "-c", str(src), "-o", str(obj)]
-    return _run(argv, cwd=out_dir)
+    return _run_compiler(c, argv, out_dir, until, f"compiling {unit.source}")
 
 
-def _probe(plan: Plan, spec: IsaSource, unit: Unit, out_dir: Path) -> tuple[str, ...]:
+def _probe(plan: Plan, spec: IsaSource, unit: Unit, out_dir: Path, until: float) -> tuple[str, ...]:
     """spec.probe_flags + define when the compiler builds a snippet with them, else ()."""
     if not spec.probe_flags or plan.compiler.msvc:
         return ()
     snippet = out_dir / f"probe_{spec.isa}.c"
     snippet.write_text(_AVX512BF16_PROBE)
-    done = _run([*plan.compiler.argv, *unit.flags, *spec.probe_flags, "-c", str(snippet),
-                 "-o", str(out_dir / f"probe_{spec.isa}.o")], cwd=out_dir)
+    done = _run_compiler(plan.compiler, [*plan.compiler.argv, *unit.flags, *spec.probe_flags, "-c",
+                                         str(snippet), "-o", str(out_dir / f"probe_{spec.isa}.o")],
+                         out_dir, until, f"probing {' '.join(spec.probe_flags)}")
     return (*spec.probe_flags, spec.probe_define) if done.returncode == 0 else ()
 
 
-def _compile_isa(plan: Plan, unit: Unit, out_dir: Path) -> tuple[Unit, tuple[str, ...], str]:
+def _compile_isa(plan: Plan, unit: Unit, out_dir: Path, until: float) -> tuple[Unit, tuple[str, ...], str]:
     """Compile one ISA file; returns (unit, the probed extra flags, "" or why it was dropped)."""
     spec = next(s for s in ISA_SOURCES if s.isa == unit.isa)
-    extra = _probe(plan, spec, unit, out_dir)
-    done = _compile(plan, unit, out_dir, extra)
+    extra = _probe(plan, spec, unit, out_dir, until)
+    done = _compile(plan, unit, out_dir, until, extra)
     if done.returncode == 0:
         return unit, extra, ""
     return unit, extra, f"{unit.source} did not compile: {_tail(done.stderr + done.stdout, 3, 400)}"
@@ -316,18 +382,19 @@ def _failure(what: str, done: subprocess.CompletedProcess, compiler: Compiler,
         f"ADAMBRIDGE_DISABLE_NATIVE=1 to use the torch backend; {INFO_HINT}.")
 
 
-def compile_into(plan: Plan, out_dir: Path) -> dict:
-    """Compile and link plan into out_dir/LIB_NAME.
+def compile_into(plan: Plan, out_dir: Path, until: Optional[float] = None) -> dict:
+    """Compile and link plan into out_dir/LIB_NAME, every call done by until (see deadline()).
 
     Returns {"dropped": {isa: why its file failed to compile}, "flags": {source: its flags}}.
     """
+    until = deadline() if until is None else until
     jobs = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(jobs) as pool:
-        isa_results = list(pool.map(lambda u: _compile_isa(plan, u, out_dir), plan.isa_units))
+        isa_results = list(pool.map(lambda u: _compile_isa(plan, u, out_dir, until), plan.isa_units))
         dropped = {u.isa: why for u, _, why in isa_results if why}
         flag = "/D" if plan.compiler.msvc else "-D"
         defines = tuple(f"{flag}AB_NO_{isa.upper()}" for isa in sorted({*dropped, *plan.absent_isas}))
-        done = list(pool.map(lambda u: (u, _compile(plan, u, out_dir, defines)), plan.common_units))
+        done = list(pool.map(lambda u: (u, _compile(plan, u, out_dir, until, defines)), plan.common_units))
     for unit, result in done:
         if result.returncode != 0:
             raise _failure(f"compiling {unit.source}", result, plan.compiler)
@@ -339,7 +406,7 @@ def compile_into(plan: Plan, out_dir: Path) -> dict:
         argv = [*plan.compiler.argv, *MSVC_LINK, *objects, f"/Fe{lib}"]
     else:
         argv = [*plan.compiler.argv, *UNIX_LINK[:1], *objects, "-o", str(lib), *UNIX_LINK[1:]]
-    linked = _run(argv, cwd=out_dir)
+    linked = _run_compiler(plan.compiler, argv, out_dir, until, "linking")
     if linked.returncode != 0 or not lib.is_file():
         raise _failure("linking", linked, plan.compiler,
                        "reinstall adambridge (an undefined symbol means csrc/ is incomplete)")
@@ -347,140 +414,3 @@ def compile_into(plan: Plan, out_dir: Path) -> dict:
         _warn_once(f"dropped-{isa}", f"adambridge built its native kernel without {isa}: {why}. "
                    f"The other instruction sets work; a newer compiler (ADAMBRIDGE_CC) restores it.")
     return {"dropped": dropped, "flags": flags}
-
-
-# -- the cache -----------------------------------------------------------------------------------
-
-def _insecure_reason(path: Path, follow: bool = True) -> Optional[str]:
-    """Why another user could swap what we load from path, or None when it is ours alone."""
-    if IS_WINDOWS:  # NOTE: no uid/mode bits; %LOCALAPPDATA% is per-user by default.
-        return None
-    st = os.stat(path) if follow else os.lstat(path)
-    if not follow and stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symbolic link"
-    if st.st_uid != os.getuid():
-        return f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is group- or world-writable (mode {oct(st.st_mode & 0o777)})"
-    return None
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock across processes, held for the with block (the file stays)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if IS_WINDOWS:
-            import msvcrt
-            while True:  # LK_LOCK gives up after ~10 s; keep waiting for the builder
-                try:
-                    msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
-                    break
-                except OSError:
-                    continue
-            try:
-                yield
-            finally:
-                os.lseek(fd, 0, os.SEEK_SET)
-                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-    finally:
-        os.close(fd)  # closing also releases flock
-
-
-def _built_from_cache(plan: Plan, keydir: Path) -> Optional[Built]:
-    """The published library in keydir, None when it is not there or not safe to load."""
-    lib = keydir / LIB_NAME
-    if not lib.is_file():
-        return None
-    reason = _insecure_reason(keydir, follow=False) or _insecure_reason(lib, follow=False)
-    if reason:
-        return _private_build(plan, reason)
-    try:
-        dropped = json.loads((keydir / MANIFEST).read_text()).get("dropped", {})
-    except (OSError, ValueError):
-        dropped = {}
-    return Built(lib, plan.key, plan.compiler, dropped)
-
-
-def _publish(plan: Plan, root: Path) -> None:
-    """Build in a temp dir inside root, then move the result into root/<key>/ with os.replace."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{plan.key}.tmp-", dir=root))
-    try:
-        start = time.perf_counter()
-        report = compile_into(plan, tmp)
-        (tmp / MANIFEST).write_text(json.dumps({"key": plan.key, "compiler": plan.compiler.describe(),
-                                                **report}, indent=1))
-        # NOTE: the linker honours the umask (often 002); the cache check rejects group-writable files.
-        os.chmod(tmp / LIB_NAME, 0o755)
-        os.chmod(tmp / MANIFEST, 0o644)
-        keydir = root / plan.key
-        keydir.mkdir(mode=0o700, exist_ok=True)
-        os.replace(tmp / MANIFEST, keydir / MANIFEST)
-        os.replace(tmp / LIB_NAME, keydir / LIB_NAME)  # last: a present library is a complete one
-        log.info("adambridge: built %s in %.1f s", keydir / LIB_NAME, time.perf_counter() - start)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-_private: dict = {}
-
-
-def _private_build(plan: Plan, reason: str, broken: Optional[Path] = None) -> Built:
-    """Build into a fresh mkdtemp() dir that only this process uses (once per process)."""
-    _warn_once("insecure-cache",
-               f"adambridge does not use its build cache because {reason}, so another user could "
-               f"replace the library it loads; it builds into a private temporary directory instead, "
-               f"once per process. Make the directory yours and not group/world-writable, or set "
-               f"ADAMBRIDGE_CACHE_DIR to one that is; {INFO_HINT}.")
-    known = _private.get(plan.key)
-    if known is None or (broken is not None and known.path == broken):
-        out = Path(tempfile.mkdtemp(prefix="adambridge-"))
-        atexit.register(shutil.rmtree, out, True)
-        dropped = compile_into(plan, out)["dropped"]
-        log.info("adambridge: built %s (private)", out / LIB_NAME)
-        _private[plan.key] = Built(out / LIB_NAME, plan.key, plan.compiler, dropped, private=True)
-    return _private[plan.key]
-
-
-def _same_file(path: Path, seen: Optional[os.stat_result]) -> bool:
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    return seen is not None and (now.st_ino, now.st_size, now.st_mtime_ns) == \
-        (seen.st_ino, seen.st_size, seen.st_mtime_ns)
-
-
-def build(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, *,
-          broken: Optional[tuple[Path, os.stat_result]] = None) -> Built:
-    """The library for src_dir, from the cache or compiled now (once across processes).
-
-    broken: (path, stat) of a library that failed to load; if the cache still holds that very
-    file it is deleted and rebuilt, if another process already replaced it the new one is used.
-    """
-    plan = make_plan(Path(src_dir) if src_dir is not None else CSRC)
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        reason = _insecure_reason(root)
-    except OSError as exc:
-        reason = f"{root} cannot be created ({exc.strerror})"
-    if reason:
-        return _private_build(plan, reason, broken[0] if broken else None)
-    keydir = root / plan.key
-    if broken is None:
-        found = _built_from_cache(plan, keydir)  # the fast path: no lock once published
-        if found is not None:
-            return found
-    with _file_lock(root / f"{plan.key}.lock"):
-        if broken is not None and _same_file(keydir / LIB_NAME, broken[1]):
-            (keydir / LIB_NAME).unlink()
-        found = _built_from_cache(plan, keydir)  # another process may have built it meanwhile
-        if found is None:
-            _publish(plan, root)
-            found = dataclasses.replace(_built_from_cache(plan, keydir), fresh=True)
-    return found

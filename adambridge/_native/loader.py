@@ -1,12 +1,14 @@
 """Loading the native library with ctypes: prototypes, the ABI check, the ISA and thread pool knobs.
 
-``load()`` builds on first use (see build.py) and returns a ``Native`` whose ctypes functions
-all have argtypes and restype set. ``native_or_none()`` is what backends call: it returns None,
+``load()`` builds on first use (build.py compiles, cache.py publishes), loads only the file that
+trusted.py verified and hashed, and returns a ``Native`` whose ctypes functions all have
+argtypes and restype set. ``native_or_none()`` is what backends call: it returns None,
 after one warning per process, when no compiler works, so the caller falls back to torch.
 
 Environment:
   ADAMBRIDGE_DISABLE_NATIVE=1   never load the library (the torch backend is used)
   ADAMBRIDGE_ISA=scalar|avx2|avx512|neon   force one instruction set (ab_set_isa)
+  ADAMBRIDGE_BUILD_TIMEOUT=120  seconds that all compiler calls of one build may take together
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_int64, c_uint32
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import build
+from . import build, cache, trusted
 from .build import INFO_HINT, NativeBuildError
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "neon")  # index = enum ab_isa
@@ -98,27 +100,43 @@ class Native:
         return tuple(name for i, name in enumerate(ISA_NAMES) if test(i))
 
 
+def _load_verified(built: build.Built) -> ctypes.CDLL:
+    """CDLL of built.path after trusted.py checked and hashed that very file."""
+    return trusted.dlopen(trusted.verify_library(built.path.parent, build.LIB_NAME, build.MANIFEST))
+
+
 def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) -> tuple[ctypes.CDLL, build.Built]:
-    """CDLL of the built library; a cached file that fails to load is deleted and rebuilt once."""
-    built = build.build(src_dir, cache_dir)
-    seen = os.stat(built.path)
-    try:
-        return ctypes.CDLL(str(built.path)), built
-    except OSError as exc:
-        if built.fresh:
-            raise _unloadable(built, exc) from exc
-        build._warn_once("corrupt-cache", f"adambridge could not load its cached library {built.path} "
-                         f"({exc}); it deletes it and builds it again.")
-    built = build.build(src_dir, cache_dir, broken=(built.path, seen))
-    try:
-        return ctypes.CDLL(str(built.path)), built
-    except OSError as exc:
-        raise _unloadable(built, exc) from exc
+    """CDLL of the verified library (issue 10).
+
+    A cached library that is damaged (its hash does not match) or does not load is deleted and
+    rebuilt, with one warning; one that another user could have changed is never loaded: a
+    private build is made instead. A library compiled by this call that fails is an error.
+    """
+    built = cache.build(src_dir, cache_dir)
+    for _ in range(3):  # cache -> repaired cache -> private, at most
+        try:
+            return _load_verified(built), built
+        except trusted.Untrusted as exc:
+            if built.private:
+                raise _untrusted_private(built, exc) from None
+            built = cache.build_private(src_dir, str(exc))
+        except trusted.Damaged as exc:
+            if built.fresh:
+                raise _unloadable(built, exc) from None
+            build._warn_once("corrupt-cache", f"adambridge could not load its cached library: {exc}; "
+                             f"it deletes it and builds it again.")
+            built = cache.build(src_dir, cache_dir, broken=exc)
+    raise _unloadable(built, "it kept changing while it was being loaded")
 
 
-def _unloadable(built: build.Built, exc: OSError) -> NativeBuildError:
+def _unloadable(built: build.Built, exc) -> NativeBuildError:
     return NativeBuildError(f"adambridge built {built.path} but cannot load it ({exc}). Check that the "
                             f"compiler targets this Python's architecture, or set ADAMBRIDGE_CC; {INFO_HINT}.")
+
+
+def _untrusted_private(built: build.Built, exc: Exception) -> NativeBuildError:
+    return NativeBuildError(f"adambridge will not load {built.path}: {exc}. Set TMPDIR (or "
+                            f"ADAMBRIDGE_CACHE_DIR) to a directory that only you can write; {INFO_HINT}.")
 
 
 def forced_isa() -> Optional[str]:
@@ -196,7 +214,7 @@ def reset() -> None:
     _unavailable.clear()
     build._warned.clear()
     build._compilers.clear()
-    build._private.clear()
+    cache._private.clear()
 
 
 # -- the multi-tensor update (functional.adamw_update(backend="native") lands here) ------------

@@ -156,13 +156,7 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    try:
-        from . import demo
-    except ModuleNotFoundError as exc:
-        if exc.name != "adambridge.demo":
-            raise
-        print("adambridge demo: this installation has no adambridge/demo.py.", file=sys.stderr)
-        return 1
+    from .lab import demo
     return int(demo.main(list(argv)) or 0)
 
 
@@ -170,7 +164,7 @@ COMMANDS = {
     "info": (cmd_info, "print versions, ISA, NUMA and cache facts; run a tiny native-vs-torch step"),
     "build": (cmd_build, "compile the native kernel now and print the library path"),
     "bench": (cmd_bench, "run benchmarks/bench_kernels.py (source checkout only); arguments forwarded"),
-    "demo": (cmd_demo, "run the demo (adambridge.demo); arguments forwarded"),
+    "demo": (cmd_demo, "run the demo (adambridge.lab.demo); arguments forwarded"),
 }
 
 

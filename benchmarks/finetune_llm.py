@@ -36,9 +36,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import adambridge
-from adambridge.demo import lr_lambda
-from adambridge.demo_memory import MemoryProbe
-from adambridge.demo_model import bf16_changed_fraction, split_tokens
+from adambridge.lab.demo import lr_lambda
+from adambridge.lab.demo_memory import MemoryProbe
+from adambridge.lab.demo_model import bf16_changed_fraction, split_tokens
 
 GIB = 1 << 30
 PRESETS = {

@@ -71,12 +71,12 @@ def test_cli_bench_forwards_arguments(monkeypatch, tmp_path):
 
 def test_cli_demo_forwards_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("adambridge.demo")
+    fake = types.ModuleType("adambridge.lab.demo")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "adambridge.demo", fake)
-    # `from . import demo` prefers the package attribute, set once any test imported it.
-    import adambridge
-    monkeypatch.setattr(adambridge, "demo", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "adambridge.lab.demo", fake)
+    # `from .lab import demo` prefers the package attribute, set once any test imported it.
+    import adambridge.lab
+    monkeypatch.setattr(adambridge.lab, "demo", fake, raising=False)
     assert cli.main(["demo", "--steps", "3", "--help-me"]) == 0
     assert seen == [["--steps", "3", "--help-me"]]
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from adambridge import demo, demo_model as dm, demo_report
+from adambridge.lab import demo, demo_model as dm, demo_report
 
 
 def test_split_tokens_disjoint_complete_and_spread():

@@ -102,7 +102,7 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
     hyper = dict(lr=preset.lr, betas=preset.betas, weight_decay=preset.weight_decay)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), **hyper), "sync", "torch"
-    from .optimizer import AdamBridge
+    from ..optimizer import AdamBridge
     opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
     backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
     if not hasattr(opt, "attach_hooks"):

@@ -240,14 +240,14 @@ def bar_plot(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[s
         return NO_MATPLOTLIB
     names = list(dict.fromkeys(k for bars in groups.values() for k in bars))
     width = 0.8 / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(names)) ** 0.5), 4))
+    fig, ax = plt.subplots(figsize=(4 + 1.2 * len(groups) * max(1, len(names)) ** 0.5, 4))
     for i, name in enumerate(names):
         xs = [g + i * width for g, bars in enumerate(groups.values()) if name in bars]
         ys = [bars[name] for bars in groups.values() if name in bars]
         ax.bar(xs, ys, width, label=name, color=f"C{i % 10}")
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
     ax.set(title=title, ylabel=ylabel)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside, never over, the bars
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

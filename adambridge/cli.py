@@ -1,4 +1,4 @@
-"""python -m adambridge: info (diagnose and self-check), build, bench, demo."""
+"""python -m adambridge: info (diagnose and self-check), build, bench, demo, lab."""
 from __future__ import annotations
 
 import argparse
@@ -165,11 +165,17 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return int(demo.main(list(argv)) or 0)
 
 
+def cmd_lab(argv: Sequence[str]) -> int:
+    from .lab import app
+    return app.main(list(argv))
+
+
 COMMANDS = {
     "info": (cmd_info, "print versions, ISA, NUMA and cache facts; run a tiny native-vs-torch step"),
     "build": (cmd_build, "compile the native kernel now and print the library path"),
     "bench": (cmd_bench, "run benchmarks/bench_kernels.py (source checkout only); arguments forwarded"),
     "demo": (cmd_demo, "run the demo (adambridge.lab.demo); arguments forwarded"),
+    "lab": (cmd_lab, "serve the adambridge-lab page; `lab run --preset quick` runs headless"),
 }
 
 
@@ -186,5 +192,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help for -h, or the error for an unknown command; exits
         return 2
-    # Each command parses its own arguments, so bench and demo see theirs untouched.
+    # Each command parses its own arguments, so bench, demo and lab see theirs untouched.
     return COMMANDS[argv[0]][0](argv[1:])

@@ -74,7 +74,7 @@ def _bool(name: str, value: Any) -> bool:
 def _test_targets(name: str, value: Any) -> list:
     # NOTE: only paths and node ids reach pytest, never its flags: the page is local but
     # its input still goes onto a command line.
-    targets = str(value).split()
+    targets = [str(t) for t in value] if isinstance(value, list) else str(value).split()
     if not targets or any(t.startswith("-") for t in targets):
         raise PresetError(f"Invalid option {name}: {value!r} (test paths such as tests/test_cli.py)")
     return targets

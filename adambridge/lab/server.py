@@ -42,7 +42,9 @@ class LabServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/?token={self.token}"
 
     def serve_in_thread(self) -> threading.Thread:
-        thread = threading.Thread(target=self.serve_forever, name="adambridge-lab", daemon=True)
+        # NOTE: a short poll interval so shutdown() returns in 0.1 s, not serve_forever's 0.5 s.
+        thread = threading.Thread(target=self.serve_forever, kwargs=dict(poll_interval=0.1),
+                                  name="adambridge-lab", daemon=True)
         thread.start()
         return thread
 

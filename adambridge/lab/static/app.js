@@ -145,9 +145,12 @@ async function showReports(names) {
   }
 }
 
+const NUMBER = /^[+-]?\d[\d,.]*\s*(%|x|MiB|GiB|s)?$/;  // right-aligned, as in report.md
+
 function table(columns, rows) {
   return el("table", {}, el("thead", {}, el("tr", {}, ...columns.map((c) => el("th", { text: c })))),
-    el("tbody", {}, ...rows.map((row) => el("tr", {}, ...row.map((c) => el("td", { text: String(c) }))))));
+    el("tbody", {}, ...rows.map((row) => el("tr", {}, ...row.map((c) =>
+      el("td", { text: String(c), class: NUMBER.test(String(c)) ? "num" : "" }))))));
 }
 
 function renderReport(report) {

@@ -81,6 +81,14 @@ def test_cli_demo_forwards_arguments(monkeypatch):
     assert seen == [["--steps", "3", "--help-me"]]
 
 
+def test_cli_lab_forwards_arguments(monkeypatch):
+    seen = []
+    import adambridge.lab.app as app
+    monkeypatch.setattr(app, "main", lambda argv: seen.append(argv) or 5)
+    assert cli.main(["lab", "run", "--preset", "quick"]) == 5
+    assert seen == [["run", "--preset", "quick"]]
+
+
 @pytest.mark.parametrize("argv, code", [([], 2), (["nope"], 2)], ids=["no command", "unknown command"])
 def test_cli_usage_errors(argv, code, capsys):
     if argv:
@@ -90,4 +98,4 @@ def test_cli_usage_errors(argv, code, capsys):
     else:
         assert cli.main(argv) == code
     captured = capsys.readouterr()
-    assert "info" in captured.out + captured.err
+    assert "info" in captured.out + captured.err and "lab" in captured.out + captured.err

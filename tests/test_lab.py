@@ -181,3 +181,15 @@ def test_lab_command_line_bad_input(tmp_path, monkeypatch, capsys, argv, message
         code = exc.code
     assert code in (1, 2) and message in capsys.readouterr().err
     assert not (tmp_path / "reports").exists()
+
+
+def test_lab_wheel_carries_the_page_and_the_console_script(tmp_path):
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    wheel = zipfile.ZipFile(next(tmp_path.glob("adambridge-*.whl")))
+    names = set(wheel.namelist())
+    static = {f"adambridge/lab/static/{p.name}" for p in (ROOT / "adambridge/lab/static").iterdir()}
+    assert {"adambridge/lab/static/index.html", "adambridge/lab/static/app.js"} <= static <= names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "adambridge-lab = adambridge.lab.app:main" in wheel.read(entry).decode()

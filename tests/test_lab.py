@@ -117,6 +117,20 @@ def test_phases_junit_counts_per_file(tmp_path):
     assert failures == ["tests/test_a.py::test_two: assert 1 == 2"] and seconds == 2.5
 
 
+def test_phases_tests_runs_pytest_and_tables_each_file(tmp_path):
+    target = tmp_path / "test_lab_target.py"
+    target.write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
+                      "@pytest.mark.skip(reason='named')\ndef test_skipped():\n    pass\n\n"
+                      "def test_bad():\n    assert 1 == 2\n")
+    seen = []
+    ctx = phases.Context(tmp_path, dict(tests=[str(target)]), lambda f, m: seen.append(f))
+    section = phases.tests(ctx)
+    assert section.status == "failed" and "exited with status 1: 1 failed" in section.error
+    (name, passed, failed, skipped, _), = section.rows
+    assert name.endswith("test_lab_target.py") and (passed, failed, skipped) == ("1", "1", "1")
+    assert "test_bad" in section.notes[0] and seen and seen[-1] == 1.0
+
+
 def test_phases_step_table_is_the_one_bench_step_prints(tmp_path, monkeypatch):
     bench_step = bench_phases.load_script("bench_step")
     rows = [dict(variant=v, median_ms=ms, steps=8, peak_gib=None, state_mib=1.0,

@@ -93,7 +93,7 @@ def run_preset(name: str, options: Optional[Mapping] = None, *, folder: Path) ->
         progress.write("cancelled", force=True)
         return save("cancelled")
     status = "failed" if any(s.status == "failed" for s in sections) else "complete"
-    progress.index = len(preset.phases)
+    progress.index, progress.fraction = len(preset.phases), 0.0
     progress.write(status, force=True)
     return save(status)
 

@@ -53,7 +53,8 @@ class RunManager:
     """Starts, watches and cancels the one run the page may have going."""
 
     def __init__(self, reports: Path) -> None:
-        self.reports = lab_report.check_writable(Path(reports))
+        # resolved: the run process gets this path on its command line
+        self.reports = lab_report.check_writable(Path(reports).resolve())
         self._lock = threading.Lock()
         self._run: Optional[Run] = None
 

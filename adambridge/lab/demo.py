@@ -25,7 +25,7 @@ from . import demo_report as report_mod
 from . import report as lab_report
 from .demo_memory import MemoryProbe
 
-Progress = Optional[Callable[[int, int, str], None]]  # (steps done, steps in all, what runs now)
+ProgressFn = Optional[Callable[[int, int, str], None]]  # (steps done, steps in all, what runs now)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +234,7 @@ def prepare(args: argparse.Namespace, preset: Preset, device: torch.device) -> t
 
 
 def run_all(setup: Setup, configs: list[Config], noise_runs: int,
-            progress: Progress = None) -> list[dict]:
+            progress: ProgressFn = None) -> list[dict]:
     """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
     plan = [(c, setup.seed, False) for c in configs]
     if "reference" in [c.name for c in configs]:
@@ -319,7 +319,7 @@ def _start_loss(runs: list[dict]) -> float:
     return (ref or runs)[0]["start_val_loss"]
 
 
-def experiment(args: argparse.Namespace, progress: Progress = None) -> dict:
+def experiment(args: argparse.Namespace, progress: ProgressFn = None) -> dict:
     """Run the whole comparison; returns the report (setup, runs, noise band, table)."""
     device = pick_device(args.device)
     setup, source = prepare(args, pick_preset(args, device), device)

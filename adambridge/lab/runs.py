@@ -73,7 +73,7 @@ class RunManager:
                 # NOTE: a session of its own, so cancel kills pytest and the benchmark workers too.
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-            self._run = Run(folder.name, spec.name, folder, proc, time.time())
+            self._run = Run(folder.name, spec.name, folder, proc, time.monotonic())
         return self.status()
 
     def cancel(self) -> dict:
@@ -104,7 +104,7 @@ class RunManager:
         lab_report.write_report(run.folder, preset=run.preset, title=done["title"],
                                 sections=sections, status="cancelled", machine=keep,
                                 options=done.get("options"),
-                                wall_seconds=round(time.time() - run.started, 1))
+                                wall_seconds=round(time.monotonic() - run.started, 1))
 
     def _progress(self, run: Run) -> dict:
         try:
@@ -129,7 +129,7 @@ class RunManager:
             state = "running"  # written its last progress, still writing the report
         return dict(run=dict(progress, name=run.name, preset=run.preset, state=state,
                              exit_code=code, running=code is None,
-                             seconds=round(time.time() - run.started, 1),
+                             seconds=round(time.monotonic() - run.started, 1),
                              log_tail=tail(run.folder / LOG)))
 
     def close(self) -> None:

@@ -159,7 +159,8 @@ function renderReport(report) {
     ["threads", `${report.threads.native} native, ${report.threads.torch} torch`],
     ["versions", `adambridge ${report.versions.adambridge}, torch ${report.versions.torch}`],
     ["created", report.created], ["status", report.status],
-    ["options", JSON.stringify(report.options)]];
+    ["options", Object.entries(report.options || {}).filter(([, v]) => v !== null)
+      .map(([k, v]) => `${k}=${Array.isArray(v) ? v.join(",") : v}`).join("  ")]];
   const box = el("div", { class: "report", "data-name": report.name },
     el("h2", { text: `${report.name}: ${report.title}` }), table(["fact", "value"], facts));
   for (const s of report.sections) {

@@ -101,3 +101,21 @@ def test_browser_bad_input_shows_a_message_and_a_bad_token_is_refused(lab, brows
     while "forbidden" not in browser.page_source:
         assert time.monotonic() < deadline, browser.page_source[:500]
         time.sleep(0.1)
+
+
+def test_browser_cancel_stops_the_run(lab, browser, tmp_path):
+    slow = tmp_path / "test_slow_browser_target.py"
+    slow.write_text("import time\n\ndef test_waits():\n    time.sleep(120)  # a long phase to cancel\n")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    browser.get(lab.url)
+    wait.until(lambda d: len(Select(d.find_element(By.ID, "preset")).options) == 6)
+    Select(browser.find_element(By.ID, "preset")).select_by_value("tests")
+    browser.find_element(By.CSS_SELECTOR, "#options-box summary").click()
+    browser.find_element(By.CSS_SELECTOR, "[data-option='tests']").send_keys(str(slow))
+    browser.find_element(By.ID, "start").click()
+    wait.until(lambda d: "test session starts" in d.find_element(By.ID, "log").text)  # pytest runs
+    browser.find_element(By.ID, "cancel").click()
+    wait.until(lambda d: d.find_element(By.ID, "state").text == "cancelled")
+    assert "cancelled" in browser.find_element(By.ID, "message").text
+    assert not lab.manager.status()["run"]["running"]
+    assert not browser.find_element(By.ID, "cancel").is_enabled()

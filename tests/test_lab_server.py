@@ -172,6 +172,19 @@ def test_server_cancel_kills_the_run_and_its_children_and_keeps_a_report(lab, tm
     assert call(lab, "/api/runs/cancel", body={})[0] == 409
 
 
+def test_server_a_run_that_dies_is_failed_in_status_and_history(lab):
+    status, started = call(lab, "/api/runs", body={"preset": "quick"})
+    assert status == 202
+    os.killpg(lab.manager._run.proc.pid, 9)  # an out-of-memory kill, say: not our cancel
+    lab.manager._run.proc.wait()
+    run = call(lab, "/api/status")[1]["run"]
+    assert run["state"] == "failed" and "exited with status -9" in run["message"]
+    listed = call(lab, "/api/reports")[1]["reports"]
+    assert [(r["name"], r["status"]) for r in listed] == [(run["name"], "failed")]
+    report = call(lab, f"/api/reports/{run['name']}")[1]
+    assert "log.txt" in report["files"] and "report.md" in report["files"]
+
+
 def test_server_reports_dir_that_cannot_be_written(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -36,6 +36,7 @@ class Run:
     proc: subprocess.Popen
     started: float
     cancelled: bool = False
+    finished: bool = False  # its report has been given its final status by us
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 32768) -> str:
@@ -95,16 +96,21 @@ class RunManager:
         progress = self._progress(run)
         write_progress(run.folder / PROGRESS, dict(progress, state="cancelled",
                                                    message="cancelled from the page"))
+        self._finish_report(run, "cancelled")
+
+    def _finish_report(self, run: Run, status: str) -> None:
+        """Rewrite the run's report with `status`, keeping the phases it finished."""
         try:
             done = lab_report.read_report(run.folder)
-        except ValueError:  # killed before its first report: write one that says so
+        except ValueError:  # it ended before its first report: write one that says so
             done = dict(title=f"adambridge-lab: {run.preset}", sections=[], options={})
         sections = [lab_report.Section(**s) for s in done.get("sections", [])]
         keep = {k: done[k] for k in ("machine", "versions", "isa", "threads", "facts") if k in done}
         lab_report.write_report(run.folder, preset=run.preset, title=done["title"],
-                                sections=sections, status="cancelled", machine=keep,
+                                sections=sections, status=status, machine=keep,
                                 options=done.get("options"),
                                 wall_seconds=round(time.monotonic() - run.started, 1))
+        run.finished = True
 
     def _progress(self, run: Run) -> dict:
         try:
@@ -125,6 +131,9 @@ class RunManager:
         elif code is not None and state in ("running", "starting"):
             state = "failed"  # it died without saying so: the log tells why
             progress["message"] = f"the run process exited with status {code}; see the log"
+            with self._lock:
+                if not run.finished:
+                    self._finish_report(run, "failed")
         elif code is None and state not in ("running", "starting"):
             state = "running"  # written its last progress, still writing the report
         return dict(run=dict(progress, name=run.name, preset=run.preset, state=state,

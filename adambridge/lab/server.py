@@ -146,6 +146,8 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             return self._error(HTTPStatus.NOT_FOUND, str(exc))
         report["name"] = name
+        report["files"] = sorted(p.name for p in folder.iterdir()
+                                 if p.suffix in REPORT_FILES and _NAME.match(p.name))
         self._json(HTTPStatus.OK, report)
 
     def _report_file(self, name: str, file: str) -> None:

@@ -153,6 +153,10 @@ function table(columns, rows) {
       el("td", { text: String(c), class: NUMBER.test(String(c)) ? "num" : "" }))))));
 }
 
+function fileUrl(name, file) {
+  return `reports/${encodeURIComponent(name)}/${encodeURIComponent(file)}?token=${encodeURIComponent(TOKEN)}`;
+}
+
 function renderReport(report) {
   const facts = [["cpu", `${report.machine.cpu} (${report.machine.cpus} CPUs)`],
     ["backend", report.isa.backend || "?"], ["isa", report.isa["isa active"] || "-"],
@@ -163,14 +167,15 @@ function renderReport(report) {
       .map(([k, v]) => `${k}=${Array.isArray(v) ? v.join(",") : v}`).join("  ")]];
   const box = el("div", { class: "report", "data-name": report.name },
     el("h2", { text: `${report.name}: ${report.title}` }), table(["fact", "value"], facts));
+  const links = ["report.md", "report.json", "log.txt"].filter((f) => (report.files || []).includes(f));
+  box.append(el("p", {}, ...links.flatMap((f) => [el("a", { href: fileUrl(report.name, f), target: "_blank", text: f }), " "])));
   for (const s of report.sections) {
     box.append(el("h3", { text: s.title }), el("p", { class: `status-${s.status}`, text: s.error ? `${s.status}: ${s.error}` : s.status }));
     if (s.setup) box.append(el("p", { text: s.setup }));
     if (s.columns.length) box.append(table(s.columns, s.rows));
     if (s.notes.length) box.append(el("ul", {}, ...s.notes.map((n) => el("li", { text: n }))));
     for (const plot of s.plots) {
-      const src = `reports/${encodeURIComponent(report.name)}/${encodeURIComponent(plot)}?token=${encodeURIComponent(TOKEN)}`;
-      box.append(el("p", {}, el("img", { src, alt: `${s.name} plot`, class: "plot" })));
+      box.append(el("p", {}, el("img", { src: fileUrl(report.name, plot), alt: `${s.name} plot`, class: "plot" })));
     }
   }
   return box;

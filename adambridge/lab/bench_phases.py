@@ -94,7 +94,9 @@ def step(ctx: Context) -> Section:
     names = ["torch AdamW"] + [f"adambridge {mode} {p}" for p in bs.PRECISIONS
                                for mode in ("sync", "async")]
     if ctx.options.get("threads"):
+        from .._native import loader
         torch.set_num_threads(ctx.options["threads"])
+        loader.set_num_threads(ctx.options["threads"])
     ctx.step(0.0, f"bench_step --preset {preset}")
     try:
         result = bs.run(preset, names, float(ctx.options["step_seconds"]))

@@ -85,7 +85,10 @@ class RunManager:
                 raise RunConflict("no run is in progress")
             run.cancelled = True
             try:
-                os.killpg(run.proc.pid, signal.SIGKILL)
+                if hasattr(os, "killpg"):
+                    os.killpg(run.proc.pid, signal.SIGKILL)
+                else:  # Windows: no process groups here; the run process itself is killed
+                    run.proc.kill()
             except ProcessLookupError:
                 pass  # it ended between poll() and the kill
             run.proc.wait()

@@ -37,6 +37,7 @@ class Run:
     started: float
     cancelled: bool = False
     finished: bool = False  # its report has been given its final status by us
+    ended: Optional[float] = None  # when status() first saw the process gone
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 32768) -> str:
@@ -128,6 +129,8 @@ class RunManager:
         if run is None:
             return dict(run=None)
         progress, code = self._progress(run), run.proc.poll()
+        if code is not None and run.ended is None:
+            run.ended = time.monotonic()
         state = progress.get("state", "running")
         if run.cancelled:
             state = "cancelled"
@@ -141,7 +144,7 @@ class RunManager:
             state = "running"  # written its last progress, still writing the report
         return dict(run=dict(progress, name=run.name, preset=run.preset, state=state,
                              exit_code=code, running=code is None,
-                             seconds=round(time.monotonic() - run.started, 1),
+                             seconds=round((run.ended or time.monotonic()) - run.started, 1),
                              log_tail=tail(run.folder / LOG)))
 
     def close(self) -> None:

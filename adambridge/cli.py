@@ -1,4 +1,4 @@
-"""python -m adambridge: info (diagnose and self-check), build, bench, demo."""
+"""python -m adambridge: info (diagnose and self-check), build, bench, demo, lab."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 BENCH_SCRIPT = SOURCE_ROOT / "benchmarks" / "bench_kernels.py"
@@ -26,52 +26,56 @@ def _field(name: str, value: object) -> None:
     print(f"{name + ':':<16}{value}")
 
 
-def _print_environment() -> None:
+Facts = List[Tuple[str, object]]  # (name, value) pairs, in the order `info` prints them
+
+
+def environment_facts() -> Facts:
+    """Versions of adambridge, torch and Python, and the platform."""
     import torch
-    _field("adambridge", f"{_version()} ({Path(__file__).resolve().parent})")
-    _field("torch", torch.__version__)
-    _field("python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})")
-    _field("platform", f"{platform.platform()} {platform.machine()}")
+    return [("adambridge", f"{_version()} ({Path(__file__).resolve().parent})"),
+            ("torch", torch.__version__),
+            ("python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"),
+            ("platform", f"{platform.platform()} {platform.machine()}")]
 
 
-def _print_native() -> bool:
-    """The native backend's facts; False when it is unavailable (the reason is printed)."""
+def native_facts() -> tuple[Facts, bool]:
+    """The native backend's facts, and False when it is unavailable (the reason is a fact)."""
     from ._native import build, loader
-    _field("compiler", loader.compiler_description())
-    _field("cache", build.cache_root())
-    _field("isa forced", os.environ.get("ADAMBRIDGE_ISA") or "no (ADAMBRIDGE_ISA unset)")
+    facts = [("compiler", loader.compiler_description()), ("cache", build.cache_root()),
+             ("isa forced", os.environ.get("ADAMBRIDGE_ISA") or "no (ADAMBRIDGE_ISA unset)")]
     try:
         native = loader.load()
     except (build.NativeBuildError, ValueError) as exc:
-        _field("backend", "torch")
-        _field("native", f"unavailable: {exc}")
-        return False
-    _field("backend", loader.backend_name())
-    _field("isa detected", loader.detected_isa())
-    _field("isa active", loader.isa_name())
-    _field("isa compiled", ", ".join(loader.compiled_isas()))
-    _field("isa supported", ", ".join(loader.supported_isas()))
-    for isa, why in sorted(native.built.dropped.items()):
-        _field("isa dropped", f"{isa}: {why}")
-    _field("library", f"{native.path}{' (private build)' if native.built.private else ''}")
-    _field("threads", loader.num_threads())
-    _field("l2 cache", f"{loader.l2_cache_bytes()} bytes")
-    return True
+        return facts + [("backend", "torch"), ("native", f"unavailable: {exc}")], False
+    facts += [("backend", loader.backend_name()), ("isa detected", loader.detected_isa()),
+              ("isa active", loader.isa_name()), ("isa compiled", ", ".join(loader.compiled_isas())),
+              ("isa supported", ", ".join(loader.supported_isas()))]
+    facts += [("isa dropped", f"{isa}: {why}") for isa, why in sorted(native.built.dropped.items())]
+    facts += [("library", f"{native.path}{' (private build)' if native.built.private else ''}"),
+              ("threads", loader.num_threads()), ("l2 cache", f"{loader.l2_cache_bytes()} bytes")]
+    return facts, True
 
 
-def _print_topology() -> None:
+def topology_facts() -> Facts:
+    """NUMA nodes, the CPUs this process may use, and the CUDA devices with their local CPUs."""
+    import torch
     from . import topology
     host = topology.host_topology()
     nodes = " ".join(f"node{n.index}: {topology.format_cpulist(n.cpus)}" for n in host.nodes)
-    _field("numa nodes", nodes or "unknown")
-    _field("allowed cpus", topology.format_cpulist(host.allowed_cpus) or "unknown")
-    import torch
+    facts = [("numa nodes", nodes or "unknown"),
+             ("allowed cpus", topology.format_cpulist(host.allowed_cpus) or "unknown")]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    _field("cuda devices", count or "none")
+    facts.append(("cuda devices", count or "none"))
     for i in range(count):
         cpus = topology.format_cpulist(topology.cpus_for_cuda_device(i)) or "unknown"
-        _field(f"  cuda:{i}", f"{torch.cuda.get_device_name(i)}, pci {topology.cuda_pci_bus_id(i)}, "
-                              f"local cpus {cpus}")
+        facts.append((f"  cuda:{i}", f"{torch.cuda.get_device_name(i)}, pci "
+                                     f"{topology.cuda_pci_bus_id(i)}, local cpus {cpus}"))
+    return facts
+
+
+def _print_facts(facts: Facts) -> None:
+    for name, value in facts:
+        _field(name, value)
 
 
 def _tiny_items(precision: str, seed: int = 1234, n: int = 333):
@@ -127,9 +131,10 @@ def _self_check() -> bool:
 def cmd_info(argv: Sequence[str]) -> int:
     argparse.ArgumentParser(prog="python -m adambridge info",
                             description="Print the setup and run a tiny native-vs-torch step.").parse_args(argv)
-    _print_environment()
-    native_ok = _print_native()
-    _print_topology()
+    _print_facts(environment_facts())
+    native, native_ok = native_facts()
+    _print_facts(native)
+    _print_facts(topology_facts())
     ok = native_ok and _self_check()
     _field("result", "PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -156,21 +161,21 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    try:
-        from . import demo
-    except ModuleNotFoundError as exc:
-        if exc.name != "adambridge.demo":
-            raise
-        print("adambridge demo: this installation has no adambridge/demo.py.", file=sys.stderr)
-        return 1
+    from .lab import demo
     return int(demo.main(list(argv)) or 0)
+
+
+def cmd_lab(argv: Sequence[str]) -> int:
+    from .lab import app
+    return app.main(list(argv))
 
 
 COMMANDS = {
     "info": (cmd_info, "print versions, ISA, NUMA and cache facts; run a tiny native-vs-torch step"),
     "build": (cmd_build, "compile the native kernel now and print the library path"),
     "bench": (cmd_bench, "run benchmarks/bench_kernels.py (source checkout only); arguments forwarded"),
-    "demo": (cmd_demo, "run the demo (adambridge.demo); arguments forwarded"),
+    "demo": (cmd_demo, "run the demo (adambridge.lab.demo); arguments forwarded"),
+    "lab": (cmd_lab, "serve the adambridge-lab page; `lab run --preset quick` runs headless"),
 }
 
 
@@ -187,5 +192,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help for -h, or the error for an unknown command; exits
         return 2
-    # Each command parses its own arguments, so bench and demo see theirs untouched.
+    # Each command parses its own arguments, so bench, demo and lab see theirs untouched.
     return COMMANDS[argv[0]][0](argv[1:])

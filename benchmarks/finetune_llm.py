@@ -13,7 +13,8 @@ Configurations: all-device AdamW (the reference: fp32 weights, bf16 autocast), A
 with fp32/bf16/fp8 moments (bf16 weights), BF16-only AdamW (bf16 weights, no fp32 master),
 and whichever peers import: torchao's CPUOffloadOptimizer (fp32 and bf16 weights),
 bitsandbytes AdamW8bit (fp32 weights) and DeepSpeed's CPU Adam (an fp32 host master).
-Writes report.json and report.md into --out.
+Writes an adambridge-lab report (report.json, report.md) into --out; peers that do not
+import get a "not installed" row.
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import adambridge
-from adambridge.demo import lr_lambda
-from adambridge.demo_memory import MemoryProbe
-from adambridge.demo_model import bf16_changed_fraction, split_tokens
+from adambridge.lab import report as lab_report
+from adambridge.lab.demo import lr_lambda
+from adambridge.lab.demo_memory import MemoryProbe
+from adambridge.lab.demo_model import bf16_changed_fraction, split_tokens
 
 GIB = 1 << 30
 PRESETS = {
@@ -297,45 +299,46 @@ def spawn(argv: Sequence[str], config: Config, data_seed: int, first: bool, out:
     return json.loads(result.read_text())
 
 
-def noise_band(runs: list[dict]) -> Optional[float]:
-    ok = [r for r in runs if "error" not in r and r["config"] == "adamw"]
-    if len(ok) < 2 or ok[0].get("noise_run"):
-        return None
-    return max(abs(r["final_val_loss"] - ok[0]["final_val_loss"]) for r in ok[1:])
+def not_installed(args: argparse.Namespace) -> list[dict]:
+    """A row for each peer left out of the default plan because its package does not import."""
+    if args.configs:
+        return []  # asked for by name: planned, and a failed import is its error
+    return [dict(config=c.name, label=c.label, not_installed=c.needs)
+            for c in CONFIGS.values() if not available(c)]
 
 
-def markdown(report: dict) -> str:
-    """The report as a Markdown table with its setup line and notes."""
+def section(report: dict) -> lab_report.Section:
+    """The runs as a lab report section: the table a README quotes, and every number."""
     s, runs, band = report["setup"], report["runs"], report["noise_band"]
-    ref = next((r for r in runs if r["config"] == "adamw" and "error" not in r), None)
-    lines = [f"# Fine-tuning {s['model']}", "",
-             f"Setup: {s['device']}, torch {s['torch']}, adambridge {s['adambridge']}; "
+    ref = next((r for r in runs if r["config"] == "adamw" and "final_val_loss" in r
+                and not r.get("noise_run")), None)
+    setup = (f"Setup: {s['device']}, torch {s['torch']}, adambridge {s['adambridge']}; "
              f"{s['steps']} steps of {s['batch']} x {s['seq_len']} tokens on {s['data']}, "
              f"peak lr {s['lr']:g}, warm-up {s['warmup']:.0%} then cosine decay; "
-             f"validation loss at start {report['start_val_loss']}.", "",
-             "| configuration | weights | mode | val loss | vs reference | bf16 changed | ms/step "
-             "| peak GPU GiB | RSS growth GiB † | host B/param |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [_md_row(r, ref, band) for r in runs]
-    lines += ["", f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
-              "differences are ties." if band is not None else "No noise runs: ties not called.",
-              "† growth of the process's resident memory beyond the reference's."]
-    return "\n".join(lines) + "\n"
+             f"validation loss at start {report['start_val_loss']}.")
+    columns = ["configuration", "weights", "mode", "val loss", "vs reference", "bf16 changed",
+               "ms/step", "peak GPU GiB", "RSS growth GiB †", "host B/param"]
+    notes = [f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
+             "differences are ties." if band is not None else "No noise runs: ties not called.",
+             "† growth of the process's resident memory beyond the reference's."]
+    return lab_report.Section(name="finetune", title=f"Fine-tuning {s['model']}", setup=setup,
+                              columns=columns, rows=[_row(r, ref, band) for r in runs],
+                              notes=notes, figures=dict(setup=s, runs=runs, noise_band=band))
 
 
-def _md_row(r: dict, ref: Optional[dict], band: Optional[float]) -> str:
+def _row(r: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
+    if r.get("not_installed"):
+        return [r["label"], f"not installed (pip install {r['not_installed']})"] + [""] * 8
     if "error" in r:
-        return f"| {r['label']} | | | failed: {r['error'][:120]} | | | | | | |"
+        return [r["label"], f"failed: {r['error'][:120]}"] + [""] * 8
     delta = "-"
     if ref is not None and r is not ref:
-        d = r["final_val_loss"] - ref["final_val_loss"]
-        tie = band is not None and abs(d) <= band
-        delta = f"{d:+.4f}" + (" (noise run)" if r.get("noise_run") else " (tie)" if tie else "")
+        delta = f"{r['final_val_loss'] - ref['final_val_loss']:+.4f} ({lab_report.verdict(r, ref, band)})"
     gpu = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / GIB:.2f}"
     rss = r["rss_growth_bytes"] - (ref["rss_growth_bytes"] if ref else 0)
     host = "-" if r["host_bytes_per_param"] is None else f"{r['host_bytes_per_param']:.2f}"
-    return (f"| {r['label']} | {r['weights']} | {r['mode']} | {r['final_val_loss']:.4f} | {delta} "
-            f"| {r['bf16_changed']:.1%} | {r['ms_per_step']:.1f} | {gpu} | {rss / GIB:+.2f} | {host} |")
+    return [r["label"], r["weights"], r["mode"], f"{r['final_val_loss']:.4f}", delta,
+            f"{r['bf16_changed']:.1%}", f"{r['ms_per_step']:.1f}", gpu, f"{rss / GIB:+.2f}", host]
 
 
 # ---------------------------------------------------------------------------- command line
@@ -390,8 +393,8 @@ def main(argv: Sequence[str]) -> int:
     if args.worker:
         Path(args.result).write_text(json.dumps(run_worker(args), indent=2))
         return 0
-    out = Path(args.out or f"out/finetune-llm-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = lab_report.check_writable(
+        Path(args.out or f"out/finetune-llm-{datetime.datetime.now():%Y%m%d-%H%M%S}"))
     data = prepare_data(args, out / "data.pt")
     forwarded = [a for a in argv] + (["--out", str(out)] if not args.out else [])
     runs = []
@@ -400,15 +403,18 @@ def main(argv: Sequence[str]) -> int:
         run = spawn(forwarded, config, data_seed, first=i == 0, out=out)
         run["noise_run"] = noise
         runs.append(run)
+    runs += not_installed(args)
     start = next((r["start_val_loss"] for r in runs if r.get("start_val_loss") is not None), None)
-    report = dict(setup=describe(args, data), runs=runs, noise_band=noise_band(runs),
+    report = dict(setup=describe(args, data), runs=runs, noise_band=lab_report.noise_band(runs, "adamw"),
                   start_val_loss=None if start is None else round(start, 4))
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(markdown(report))
     (out / "data.pt").unlink()
-    print(markdown(report))
+    failed = any("error" in r for r in runs)
+    lab_report.write_report(out, preset="finetune", title=f"Fine-tuning {report['setup']['model']}",
+                            sections=[section(report)], status="failed" if failed else "complete",
+                            options=dict(argv=list(argv)), extra=report)
+    print((out / "report.md").read_text())
     print(f"reports: {out / 'report.json'}, {out / 'report.md'}")
-    return 0 if all("error" not in r for r in runs) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

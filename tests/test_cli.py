@@ -71,14 +71,22 @@ def test_cli_bench_forwards_arguments(monkeypatch, tmp_path):
 
 def test_cli_demo_forwards_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("adambridge.demo")
+    fake = types.ModuleType("adambridge.lab.demo")
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "adambridge.demo", fake)
-    # `from . import demo` prefers the package attribute, set once any test imported it.
-    import adambridge
-    monkeypatch.setattr(adambridge, "demo", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "adambridge.lab.demo", fake)
+    # `from .lab import demo` prefers the package attribute, set once any test imported it.
+    import adambridge.lab
+    monkeypatch.setattr(adambridge.lab, "demo", fake, raising=False)
     assert cli.main(["demo", "--steps", "3", "--help-me"]) == 0
     assert seen == [["--steps", "3", "--help-me"]]
+
+
+def test_cli_lab_forwards_arguments(monkeypatch):
+    seen = []
+    import adambridge.lab.app as app
+    monkeypatch.setattr(app, "main", lambda argv: seen.append(argv) or 5)
+    assert cli.main(["lab", "run", "--preset", "quick"]) == 5
+    assert seen == [["run", "--preset", "quick"]]
 
 
 @pytest.mark.parametrize("argv, code", [([], 2), (["nope"], 2)], ids=["no command", "unknown command"])
@@ -90,4 +98,4 @@ def test_cli_usage_errors(argv, code, capsys):
     else:
         assert cli.main(argv) == code
     captured = capsys.readouterr()
-    assert "info" in captured.out + captured.err
+    assert "info" in captured.out + captured.err and "lab" in captured.out + captured.err

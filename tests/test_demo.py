@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from adambridge import demo, demo_model as dm, demo_report
+from adambridge.lab import demo, demo_model as dm, demo_report, report as lab_report
 
 
 def test_split_tokens_disjoint_complete_and_spread():
@@ -61,12 +61,14 @@ def _run(label, loss, noise=False):
 
 def test_verdict_calls_ties_within_the_noise_band():
     ref = _run("ref", 2.0)
-    assert demo_report.verdict(_run("x", 2.0009), ref, band=0.001) == "tie"
-    assert demo_report.verdict(_run("x", 2.0011), ref, band=0.001) == "worse"
-    assert demo_report.verdict(_run("x", 1.9980), ref, band=0.001) == "better"
-    assert demo_report.verdict(_run("x", 2.0001), ref, band=None) == "worse"
+    assert lab_report.verdict(_run("x", 2.0009), ref, band=0.001) == "tie"
+    assert lab_report.verdict(_run("x", 2.0011), ref, band=0.001) == "worse"
+    assert lab_report.verdict(_run("x", 1.9980), ref, band=0.001) == "better"
+    assert lab_report.verdict(_run("x", 2.0001), ref, band=None) == "worse"
     runs = [ref, _run("x", 2.0), _run("n1", 2.0004, True), _run("n2", 1.9993, True)]
-    assert demo.noise_band(runs) == pytest.approx(0.0007)
+    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)
+    runs.append(dict(config="reference", label="failed", noise_run=True, error="boom"))
+    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)  # failures ignored
 
 
 def test_text_bar_draws_on_stderr(capsys):
@@ -77,6 +79,13 @@ def test_text_bar_draws_on_stderr(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "reference" in err and "4/4" in err and "#" * 30 in err
+
+
+def test_demo_unwritable_out_is_a_clear_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert demo.main(["--preset", "tiny", "--out", str(blocker / "report")]) == 1
+    assert "cannot write reports to" in capsys.readouterr().err
 
 
 def test_demo_unknown_config_is_an_argument_error(capsys):
@@ -114,8 +123,13 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     for run in report["runs"]:
         assert run["label"] in printed
     assert "noise band" in printed and report["table"] in printed
+    # the lab's report format: the same rows in its section, a report.md a README can quote
+    assert report["format"] == lab_report.FORMAT and report["isa"]["backend"]
+    section, = report["sections"]
+    assert [row[0] for row in section["rows"]] == [r["label"] for r in report["runs"]]
+    assert "| AdamBridge bf16 moments |" in (out / "report.md").read_text()
     png = out / "loss_curves.png"
     if png.exists():
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and section["plots"] == [png.name]
     else:
         assert "matplotlib is not installed" in printed

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from adambridge.lab import report as lab_report
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "finetune_llm.py"
 
 
@@ -73,7 +75,7 @@ def test_host_master_optimizer_matches_adamw_on_an_fp32_copy(ft):
     assert low.grad is None
 
 
-def test_markdown_reports_ties_failures_and_rss_beyond_reference(ft):
+def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
                 peak_device_bytes=None, host_bytes_per_param=None)
     runs = [dict(base, config="adamw", label="ref", final_val_loss=2.0, rss_growth_bytes=1 << 30),
@@ -82,16 +84,29 @@ def test_markdown_reports_ties_failures_and_rss_beyond_reference(ft):
             dict(base, config="bf16-only", label="b16", final_val_loss=2.1, rss_growth_bytes=1 << 30),
             dict(base, config="adamw", label="ref2", final_val_loss=1.999, rss_growth_bytes=1 << 30,
                  noise_run=True),
-            dict(config="bnb-adamw8bit", label="bnb", error="ImportError: no bitsandbytes")]
-    band = ft.noise_band(runs)
+            dict(config="bnb-adamw8bit", label="bnb", error="ImportError: no bitsandbytes"),
+            dict(config="torchao-offload", label="tao", not_installed="torchao")]
+    band = lab_report.noise_band(runs, "adamw")
     assert band == pytest.approx(0.001)
     setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
                  data="d", lr=2e-5, warmup=0.1)
-    md = ft.markdown(dict(setup=setup, runs=runs, noise_band=band, start_val_loss=2.5))
-    rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ")}
-    assert "+0.0005 (tie)" in rows["ab"] and "+2.00" in rows["ab"] and "8.00" in rows["ab"]
-    assert "+0.1000 |" in rows["b16"] and "(noise run)" in rows["ref2"]
-    assert "failed: ImportError" in rows["bnb"]
+    section = ft.section(dict(setup=setup, runs=runs, noise_band=band, start_val_loss=2.5))
+    rows = {row[0]: row for row in section.rows}
+    assert all(len(row) == len(section.columns) for row in section.rows)
+    assert rows["ab"][4] == "+0.0005 (tie)" and rows["ab"][8] == "+2.00" and rows["ab"][9] == "8.00"
+    assert rows["b16"][4] == "+0.1000 (worse)" and rows["ref2"][4] == "-0.0010 (noise run)"
+    assert rows["bnb"][1].startswith("failed: ImportError")
+    assert rows["tao"][1] == "not installed (pip install torchao)"
+    md = lab_report.md_table(section.columns, section.rows)
+    assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
+
+
+def test_not_installed_rows_only_for_the_default_plan(ft, monkeypatch):
+    monkeypatch.setattr(ft, "available", lambda c: c.needs is None)
+    rows = ft.not_installed(ft.parse_args([]))
+    assert {r["config"] for r in rows} == {c.name for c in ft.CONFIGS.values() if c.needs}
+    assert all(r["not_installed"] for r in rows)
+    assert ft.not_installed(ft.parse_args(["--configs", "bnb-adamw8bit"])) == []
 
 
 def test_finetune_tiny_model_offline_end_to_end(tmp_path):
@@ -115,5 +130,7 @@ def test_finetune_tiny_model_offline_end_to_end(tmp_path):
     assert report["start_val_loss"] > ref["final_val_loss"] > 0
     assert ab["host_bytes_per_param"] >= 8 and ab["mode"] in ("sync", "async")
     assert 0 < ab["bf16_changed"] <= 1 and ref["ms_per_step"] > 0
-    assert "AdamBridge bf16 moments" in (out / "report.md").read_text()
+    assert "| AdamBridge bf16 moments | bfloat16 |" in (out / "report.md").read_text()
+    assert report["format"] == lab_report.FORMAT and report["status"] == "complete"
+    assert [row[0] for row in report["sections"][0]["rows"]] == [ref["label"], ab["label"]]
     assert not (out / "data.pt").exists()

@@ -1,11 +1,12 @@
-"""What the demo shows a person: the progress bar, the results table, the JSON report and the plot."""
+"""What the demo shows a person: the progress bar, the results table, its report section and the plot."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from .report import NO_MATPLOTLIB, Section, pyplot, verdict
 
 MIB = 1 << 20
 
@@ -42,28 +43,37 @@ class TextBar:
         sys.stderr.flush()
 
 
-def progress_bar(total: int) -> Any:
-    """tqdm on stderr when it is installed, else a TextBar."""
+class ProgressTee:
+    """A progress bar that also tells `report(done, total, desc)` (the lab's progress file)."""
+
+    def __init__(self, bar: Any, total: int, report: Callable[[int, int, str], None]) -> None:
+        self.bar, self.total, self.report, self.n, self.desc = bar, total, report, 0, ""
+
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+        self.bar.set_description(desc)
+        self.report(self.n, self.total, desc)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.bar.update(n)
+        self.report(self.n, self.total, self.desc)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress_bar(total: int, report: Optional[Callable[[int, int, str], None]] = None) -> Any:
+    """tqdm on stderr when it is installed, else a TextBar; teed to `report` when given."""
     try:
         from tqdm import tqdm
+        bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
     except ImportError:
-        return TextBar(total)
-    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+        bar = TextBar(total)
+    return bar if report is None else ProgressTee(bar, total, report)
 
 
 # ---------------------------------------------------------------------------- table
-
-def verdict(run: dict, ref: Optional[dict], band: Optional[float]) -> str:
-    """How a run's final loss compares with the reference's: within the noise band is a tie."""
-    if ref is None or run is ref:
-        return "reference" if run is ref else ""
-    if run.get("noise_run"):
-        return "noise run"
-    delta = run["final_val_loss"] - ref["final_val_loss"]
-    if band is not None and abs(delta) <= band:
-        return "tie"
-    return "worse" if delta > 0 else "better"
-
 
 def _mem(run: dict) -> str:
     if run.get("peak_device_bytes") is not None:
@@ -85,54 +95,67 @@ def _row(run: dict, ref: Optional[dict], band: Optional[float], start: float) ->
             f"{run['state_bytes_per_param']:.2f}"]
 
 
-def format_table(report: dict) -> str:
-    """The results as an aligned text table with a setup line above and the key below."""
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The header and one row per run, as the table prints them."""
     runs, band = report["runs"], report["noise_band"]
     ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
-    start = report["start_val_loss"]
     mem_head = "peak GPU mem" if report["setup"]["device"].startswith("cuda") else "RSS growth"
     head = ["configuration", "mode", "val loss", "vs reference", "gain kept",
             "bf16 changed", "ms/step", mem_head, "state B/param"]
-    rows = [head] + [_row(r, ref, band, start) for r in runs]
+    return head, [_row(r, ref, band, report["start_val_loss"]) for r in runs]
+
+
+def _setup_lines(report: dict) -> list[str]:
+    s = report["setup"]
+    return [f"{s['model']} on {s['device']}; fine-tuned {s['steps']} steps of "
+            f"{s['batch']} x {s['ctx']} bytes after {s['pretrain_steps']} shared pretraining steps; "
+            f"validation loss at start {report['start_val_loss']:.4f}",
+            f"peak lr {s['lr']:g}: an update that size is below half a bf16 ulp for "
+            f"{s['lr_below_half_bf16_ulp']:.0%} of the weights (rounded away without an fp32 master)"]
+
+
+def _notes(report: dict) -> list[str]:
+    band = report["noise_band"]
+    band_text = (f"noise band {band:.4f} (reference re-run with {report['setup']['noise_runs']} "
+                 f"other data orders): differences within it are ties" if band is not None
+                 else "no noise runs: differences are not classified as ties")
+    return [band_text,
+            "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
+            "whose bf16 value moved; state B/param: optimizer-held bytes per parameter "
+            "(AdamBridge: fp32 master + moments, in host RAM)"]
+
+
+def format_table(report: dict) -> str:
+    """The results as an aligned text table with a setup line above and the key below."""
+    head, body = table_rows(report)
+    rows = [head] + body
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    band_text = (f"noise band {band:.4f} (reference re-run with {report['setup']['noise_runs']} "
-                 f"other data orders): differences within it are ties" if band is not None
-                 else "no noise runs: differences are not classified as ties")
-    s = report["setup"]
-    return "\n".join([
-        f"{s['model']} on {s['device']}; fine-tuned {s['steps']} steps of "
-        f"{s['batch']} x {s['ctx']} bytes after {s['pretrain_steps']} shared pretraining steps; "
-        f"validation loss at start {start:.4f}",
-        f"peak lr {s['lr']:g}: an update that size is below half a bf16 ulp for "
-        f"{s['lr_below_half_bf16_ulp']:.0%} of the weights (rounded away without an fp32 master)",
-        *lines,
-        band_text,
-        "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
-        "whose bf16 value moved; state B/param: optimizer-held bytes per parameter "
-        "(AdamBridge: fp32 master + moments, in host RAM)",
-    ])
+    return "\n".join(_setup_lines(report) + lines + _notes(report))
+
+
+def section(report: dict, plots: list[str]) -> Section:
+    """The demo's results as a lab report section (the same rows as the printed table)."""
+    head, rows = table_rows(report)
+    return Section(name="demo", title="Fine-tuning comparison (demo)", setup="; ".join(_setup_lines(report)),
+                   columns=head, rows=rows, notes=_notes(report), plots=plots,
+                   figures=dict(setup=report["setup"], runs=report["runs"],
+                                noise_band=report["noise_band"],
+                                start_val_loss=report["start_val_loss"]))
 
 
 # ---------------------------------------------------------------------------- files
-
-def write_json(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2) + "\n")
-
 
 def write_plot(report: dict, path: Path) -> Optional[str]:
     """Validation loss, and its difference from the reference against the noise band.
 
     Returns why no plot was written (matplotlib missing), else None.
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib), so no plot was written"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     runs, band = report["runs"], report["noise_band"]
     ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))

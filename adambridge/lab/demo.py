@@ -13,15 +13,19 @@ import dataclasses
 import datetime
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import demo_model as dm
 from . import demo_report as report_mod
+from . import report as lab_report
 from .demo_memory import MemoryProbe
+
+ProgressFn = Optional[Callable[[int, int, str], None]]  # (steps done, steps in all, what runs now)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +106,7 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
     hyper = dict(lr=preset.lr, betas=preset.betas, weight_decay=preset.weight_decay)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), **hyper), "sync", "torch"
-    from .optimizer import AdamBridge
+    from ..optimizer import AdamBridge
     opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
     backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
     if not hasattr(opt, "attach_hooks"):
@@ -229,12 +233,13 @@ def prepare(args: argparse.Namespace, preset: Preset, device: torch.device) -> t
     return setup, source
 
 
-def run_all(setup: Setup, configs: list[Config], noise_runs: int) -> list[dict]:
+def run_all(setup: Setup, configs: list[Config], noise_runs: int,
+            progress: ProgressFn = None) -> list[dict]:
     """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
     plan = [(c, setup.seed, False) for c in configs]
     if "reference" in [c.name for c in configs]:
         plan += [(CONFIGS["reference"], setup.seed + k, True) for k in range(1, noise_runs + 1)]
-    bar = report_mod.progress_bar(setup.preset.pretrain_steps + len(plan) * setup.steps)
+    bar = report_mod.progress_bar(setup.preset.pretrain_steps + len(plan) * setup.steps, progress)
     try:
         bar.set_description("pretraining (shared)")
         setup.init_state = pretrain(setup, bar)
@@ -249,15 +254,6 @@ def run_all(setup: Setup, configs: list[Config], noise_runs: int) -> list[dict]:
     finally:
         bar.close()
     return runs
-
-
-def noise_band(runs: list[dict]) -> Optional[float]:
-    """Largest move of the reference's final loss under other data orders (None without any)."""
-    ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
-    others = [r["final_val_loss"] for r in runs if r.get("noise_run")]
-    if ref is None or not others:
-        return None
-    return max(abs(x - ref["final_val_loss"]) for x in others)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -323,24 +319,46 @@ def _start_loss(runs: list[dict]) -> float:
     return (ref or runs)[0]["start_val_loss"]
 
 
-def main(argv: Sequence[str] = ()) -> int:
-    args = parse_args(argv)
+def experiment(args: argparse.Namespace, progress: ProgressFn = None) -> dict:
+    """Run the whole comparison; returns the report (setup, runs, noise band, table)."""
     device = pick_device(args.device)
-    preset = pick_preset(args, device)
-    out = Path(args.out or f"adambridge-demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
-    setup, source = prepare(args, preset, device)
+    setup, source = prepare(args, pick_preset(args, device), device)
     configs = [CONFIGS[c] for c in args.configs.split(",")]
     print(f"adambridge demo: {len(configs)} configurations + {args.noise_runs} noise runs "
           f"on {device}; text: {source}")
     t0 = time.perf_counter()
-    runs = run_all(setup, configs, args.noise_runs)
-    report = dict(setup=describe(setup, args, source), runs=runs, noise_band=noise_band(runs),
-                  start_val_loss=_start_loss(runs),
-                  wall_seconds=round(time.perf_counter() - t0, 1))
+    runs = run_all(setup, configs, args.noise_runs, progress)
+    report = dict(setup=describe(setup, args, source), runs=runs,
+                  noise_band=lab_report.noise_band(runs, "reference"),
+                  start_val_loss=_start_loss(runs), wall_seconds=round(time.perf_counter() - t0, 1))
     report["table"] = report_mod.format_table(report)
+    return report
+
+
+PLOT = "loss_curves.png"
+
+
+def write_files(report: dict, out: Path) -> Optional[str]:
+    """The demo's plot and its lab report (report.json, report.md) in `out`; why no plot, or None."""
+    why_not = report_mod.write_plot(report, out / PLOT)
+    section = report_mod.section(report, [] if why_not else [PLOT])
+    if why_not:
+        section.notes.append(why_not)
+    lab_report.write_report(out, preset="demo", title="adambridge demo", sections=[section],
+                            status="complete", wall_seconds=report["wall_seconds"], extra=report)
+    return why_not
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(argv)
+    out = Path(args.out or f"adambridge-demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    try:
+        lab_report.check_writable(out)
+    except lab_report.ReportDirError as exc:
+        print(f"adambridge demo: {exc}", file=sys.stderr)
+        return 1
+    report = experiment(args)
     print(report["table"])
-    report_mod.write_json(report, out / "report.json")
-    why_not = report_mod.write_plot(report, out / "loss_curves.png")
-    print(f"report: {out / 'report.json'}" + (f"; {why_not}" if why_not else f", plot: {out / 'loss_curves.png'}"))
+    why_not = write_files(report, out)
+    print(f"report: {out / 'report.json'}" + (f"; {why_not}" if why_not else f", plot: {out / PLOT}"))
     return 0

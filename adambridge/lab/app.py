@@ -1,0 +1,98 @@
+"""The lab's command line: ``adambridge-lab`` / ``python -m adambridge lab`` serves the page,
+``... lab run --preset NAME`` runs a preset headless and prints where its report is."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import presets, report as lab_report
+
+DEFAULT_REPORTS = "reports"
+
+
+def _option(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    name, value = text.split("=", 1)
+    return name.strip(), value
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m adambridge lab",
+                                 description="Serve the adambridge-lab page on 127.0.0.1, or run "
+                                             "a preset headless with `lab run`.")
+    ap.add_argument("--reports", default=DEFAULT_REPORTS, type=Path,
+                    help="folder of the reports (default: ./reports)")
+    ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    ap.add_argument("--open", action="store_true", help="open the page in a browser")
+    return ap
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m adambridge lab run",
+                                 description="Run a preset without the page; writes "
+                                             "REPORTS/<timestamp>-<preset>/.")
+    ap.add_argument("--preset", required=True, choices=list(presets.PRESETS),
+                    help="; ".join(f"{p.name}: {p.description}" for p in presets.PRESETS.values()))
+    ap.add_argument("--reports", default=DEFAULT_REPORTS, type=Path,
+                    help="folder of the reports (default: ./reports)")
+    ap.add_argument("--option", "-o", action="append", type=_option, default=[],
+                    metavar="NAME=VALUE", help="options: " + ", ".join(presets.OPTIONS))
+    return ap
+
+
+def run_headless(argv: Sequence[str]) -> int:
+    """`lab run`: the preset's phases in this process; 0 when every phase passed."""
+    from .runner import run_preset
+    ap = _run_parser()
+    args = ap.parse_args(list(argv))
+    try:
+        presets.resolve(args.preset, dict(args.option))
+        folder = lab_report.new_report_dir(args.reports, args.preset)
+    except (presets.PresetError, lab_report.ReportDirError) as exc:
+        ap.error(str(exc))
+    report = run_preset(args.preset, dict(args.option), folder=folder)
+    print((folder / "report.md").read_text())
+    print(f"adambridge lab: {report['status']} in {report['wall_seconds']} s; report: {folder}")
+    return 0 if report["status"] == "complete" else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Serve the page until Ctrl-C; a run still going is killed on the way out."""
+    from .server import LabServer
+    args = _parser().parse_args(list(argv))
+    try:
+        server = LabServer(args.reports, port=args.port)
+    except (lab_report.ReportDirError, OSError) as exc:
+        print(f"adambridge lab: {exc}", file=sys.stderr)
+        return 1
+    print(f"adambridge lab: serving {Path(args.reports).resolve()} on\n  {server.url}\n"
+          "(127.0.0.1 only; the token in the URL is the key. Ctrl-C stops.)", flush=True)
+    if args.open:
+        import webbrowser
+        webbrowser.open(server.url)
+    server.serve_in_thread()
+    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill also stops the run it started
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("adambridge lab: stopping", file=sys.stderr)
+    finally:
+        server.shutdown_all()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return run_headless(argv[1:])
+    return serve(argv)

@@ -185,3 +185,31 @@ def test_memory_flat_over_5000_steps_with_the_cyclic_gc_off():
     assert unreachable < 50, f"{unreachable} objects in reference cycles after 5000 steps"
     assert objects_after - objects_before < 200, (objects_before, objects_after)
     assert rss_after - rss_before < 8 << 20, (rss_before, rss_after)
+
+
+def test_fault_hung_kernel_call_is_bounded_and_names_the_worker(monkeypatch):
+    import threading
+    from adambridge import pipeline
+    model = Net()
+    opt = _opt(model)
+    opt.attach_hooks(model)
+    x = torch.randn(2, 16)
+    model(x).backward()
+    opt.step()
+    release = threading.Event()
+    real = worker.adamw_update
+
+    def hanging(items, backend):
+        release.wait(30)
+        real(items, backend)
+
+    monkeypatch.setattr(worker, "adamw_update", hanging)
+    monkeypatch.setattr(pipeline, "_SYNC_TIMEOUT_S", 0.5)
+    opt.zero_grad()
+    model(x).backward()
+    try:
+        with pytest.raises(TimeoutError, match=r"worker thread 'adambridge-cpu' has not answered "
+                                               r"for 0.5 s.*ADAMBRIDGE_SYNC_TIMEOUT"):
+            opt.step()
+    finally:
+        release.set()

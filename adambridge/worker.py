@@ -186,7 +186,7 @@ class Lane:
                                    f"has died; the next step starts a new one")
             if timeout_s is not None and time.monotonic() - began > timeout_s:
                 raise TimeoutError(f"the adambridge worker thread {self.thread.name!r} has not "
-                                   f"answered for {timeout_s:.0f} s (a hung kernel call or "
+                                   f"answered for {timeout_s:g} s (a hung kernel call or "
                                    f"copy?); raise ADAMBRIDGE_SYNC_TIMEOUT if that is expected")
         if unit.error is not None:
             raise unit.error

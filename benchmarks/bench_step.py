@@ -88,7 +88,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build(name: str, cfg: dict, device: torch.device, init: dict) -> Variant:
-    """``name``: 'torch AdamW' or 'adambridge {sync,async} {precision}'."""
+    """``name``: 'torch AdamW' or 'adambridge {sync,async} {precision}[ clip=MAX_NORM]'."""
     model = GPT(cfg)
     model.load_state_dict(init)
     on_gpu = device.type == "cuda"
@@ -103,9 +103,11 @@ def build(name: str, cfg: dict, device: torch.device, init: dict) -> Variant:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return Variant(name, model, step, opt)
-    _, mode, precision = name.split()
+    _, mode, precision, *clip = name.split()
+    max_grad_norm = float(clip[0].split("=")[1]) if clip else None
     model.to(device, torch.bfloat16 if on_gpu else torch.float32)
-    opt = AdamBridge(model.parameters(), lr=1e-4, precision=precision)
+    opt = AdamBridge(model.parameters(), lr=1e-4, precision=precision,
+                     max_grad_norm=max_grad_norm)
     if mode == "async":
         opt.attach_hooks(model)
 
@@ -245,6 +247,9 @@ def table(result: dict) -> str:
     for name, r in rows.items():
         vs_base = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
         sync = rows.get(name.replace("async", "sync")) if "async" in name else None
+        unclipped = rows.get(name.split(" clip=")[0]) if " clip=" in name else None
+        if unclipped:
+            name = f"{name} ({r['median_ms'] / unclipped['median_ms']:.2f}x unclipped)"
         vs_sync = f"{r['median_ms'] / sync['median_ms']:.2f}x" if sync else "-"
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
@@ -260,12 +265,19 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=240.0,
                         help="stop the timed rounds once this much time is spent")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--clip-costs", action="store_true",
+                        help="time max_grad_norm off, on but never firing (1e9) and firing "
+                             "every step (1e-3), sync and async, first of --precisions")
     args = parser.parse_args(argv)
     if args.preset == "gpu" and not torch.cuda.is_available():
         parser.error("the gpu preset needs a CUDA device")
     names = ["torch AdamW"]
     for precision in args.precisions.split(","):
         names += [f"adambridge sync {precision}", f"adambridge async {precision}"]
+        if args.clip_costs:
+            names += [f"adambridge {mode} {precision} clip={limit}"
+                      for limit in ("1e9", "1e-3") for mode in ("sync", "async")]
+            break
     result = run(args.preset, names, args.max_seconds)
     print(table(result))
     if args.json:

@@ -81,31 +81,32 @@ def _check_groups(saved_groups: list, groups: list) -> None:
         check.group_flags(saved, where)
         check.hyperparameters(saved["lr"], saved["betas"], saved["eps"],
                               saved["weight_decay"], where=where, finite=True)
-        if "numerics" in saved and saved["numerics"] != host_state.NUMERICS_VERSION:
-            raise ValueError(f"Checkpoint param_groups[{i}]['numerics'] is "
-                             f"{saved['numerics']!r}, this adambridge computes numerics "
-                             f"{host_state.NUMERICS_VERSION}; resume with the adambridge "
-                             f"version that wrote it")
 
 
 def _saved_meta(state_dict: dict, saved_groups: list) -> dict:
     """seed / precision / numerics: from the groups (DCP keeps them), else the old entry."""
-    meta = dict(state_dict.get("adambridge") or {})
+    meta, where = {}, {}
     for i, group in enumerate(saved_groups):
         for key in GROUP_META:
-            if key in group:
-                meta.setdefault(key, group[key])
-                if group[key] != meta[key]:
-                    raise ValueError(f"Checkpoint param_groups[{i}][{key!r}] is "
-                                     f"{group[key]!r}, another group's is {meta[key]!r}")
+            if key not in group:
+                continue
+            if key in meta and group[key] != meta[key]:
+                raise ValueError(f"Checkpoint param_groups[{i}][{key!r}] is {group[key]!r}, "
+                                 f"{where[key]} is {meta[key]!r}; they must agree")
+            meta.setdefault(key, group[key])
+            where.setdefault(key, f"param_groups[{i}][{key!r}]")
+    for key, value in (state_dict.get("adambridge") or {}).items():
+        if key in GROUP_META and key not in meta:
+            meta[key], where[key] = value, f"['adambridge'][{key!r}]"
     if "seed" in meta:
-        check.seed(meta["seed"], name="checkpoint seed")
+        check.seed(meta["seed"], name=f"checkpoint seed {where['seed']}")
     if "precision" in meta:
-        meta["precision"] = check.precision(meta["precision"], name="checkpoint precision")
+        meta["precision"] = check.precision(meta["precision"],
+                                            name=f"checkpoint precision {where['precision']}")
     if meta.get("numerics", host_state.NUMERICS_VERSION) != host_state.NUMERICS_VERSION:
-        raise ValueError(f"Checkpoint numerics is {meta['numerics']!r}, this adambridge "
-                         f"computes numerics {host_state.NUMERICS_VERSION}; resume with the "
-                         f"adambridge version that wrote it")
+        raise ValueError(f"Checkpoint {where['numerics']} is {meta['numerics']!r}, this "
+                         f"adambridge computes numerics {host_state.NUMERICS_VERSION}; resume "
+                         f"with the adambridge version that wrote it")
     return meta
 
 

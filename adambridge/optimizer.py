@@ -377,6 +377,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state["_pipeline"] = None
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        had_flag = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)
+        if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
+            self.defaults.pop("differentiable", None)
+
 
 _can_alias_master = can_alias_master  # the name pipeline code of before the seams imported
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,53 @@ def test_loaded_values_are_checked_before_anything_changes(case):
     for a, b in zip(before_state.values(), after_state.values()):  # in parameter order
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     _train(model, opt, 1, seed=2)  # and it still steps
+
+
+# --------------------------------------------------------------------------- DCP
+
+
+@pytest.fixture
+def dcp_api():
+    dcp = pytest.importorskip("torch.distributed.checkpoint",
+                              reason="torch.distributed is not built into this torch")
+    from torch.distributed.checkpoint import state_dict as dsd
+    with warnings.catch_warnings():
+        # Single process, no process group: DCP saves and loads locally, and says so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield dcp, dsd
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_dcp_resume_keeps_seed_and_precision_bit_for_bit(precision, dcp_api, tmp_path, backend):
+    dcp, dsd = dcp_api
+    kwargs = dict(lr=1e-3, precision=precision, backend=backend)
+    straight = _model()
+    opt = AdamBridge(straight.parameters(), seed=7, **kwargs)
+    _train(straight, opt, 3, seed=1)
+    dcp.save({"model": straight.state_dict(), "optim": dsd.get_optimizer_state_dict(straight, opt)},
+             checkpoint_id=str(tmp_path))
+    _train(straight, opt, 3, seed=2)
+
+    resumed = _model()
+    opt3 = AdamBridge(resumed.parameters(), seed=0, **kwargs)  # the seed comes from the file
+    target = {"model": resumed.state_dict(), "optim": dsd.get_optimizer_state_dict(resumed, opt3)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(target["model"])
+    dsd.set_optimizer_state_dict(resumed, opt3, target["optim"])
+    assert opt3.seed == 7 and opt3.precision == precision
+    _train(resumed, opt3, 3, seed=2)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, opt3.state[q][key]), key
+
+
+def test_dcp_state_of_a_fresh_optimizer_does_not_revert_weights_loaded_after(dcp_api):
+    _, dsd = dcp_api
+    model = _model()
+    opt = AdamBridge(model.parameters(), lr=1e-3, backend="torch")
+    dsd.get_optimizer_state_dict(model, opt)  # a zero-lr step: masters of the random weights
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+    _train(model, opt, 1, seed=1)
+    for p in model.parameters():  # one lr=1e-3 step from 0.5, not from the random weights
+        assert (p.float() - 0.5).abs().max() < 2e-2

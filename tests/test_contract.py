@@ -17,7 +17,7 @@ import torch
 
 from adambridge import AdamBridge
 from adambridge import state as host_state
-from adambridge._validation import UNSUPPORTED_TORCH_FLAGS
+from adambridge.optimizer import UNSUPPORTED_TORCH_FLAGS
 from conftest import native_available
 
 RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3

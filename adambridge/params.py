@@ -61,13 +61,14 @@ class ParamOwner:
         A parameter holding exactly the rounding of its master keeps the master.
         """
         state = self.state[p]
-        values = p.detach() if source is None or can_alias_master(p) else source
-        if not state:
-            self._layout[p] = (p.shape, p.dtype)
-            state.update(host_state.new_state(values, self._precision,
-                                              alias=can_alias_master(p)))
-        elif self.written_elsewhere(p):
-            host_state.adopt_written(state, values)
+        if state:  # the common case first: one dict lookup and one tuple compare
+            if self._written.get(p) != (p._version, p.data_ptr()) and not can_alias_master(p):
+                host_state.adopt_written(state, p.detach() if source is None else source)
+            return state
+        alias = can_alias_master(p)
+        self._layout[p] = (p.shape, p.dtype)
+        values = p.detach() if source is None or alias else source
+        state.update(host_state.new_state(values, self._precision, alias=alias))
         return state
 
     def mark_written(self, params: Sequence[torch.Tensor]) -> None:
@@ -77,11 +78,14 @@ class ParamOwner:
         torch's in-place ops do, so a graph that saved them refuses to run backward; then
         records every version, so a write by anyone else is seen at the next step.
         """
-        direct = [p for p in params if p.is_cpu and p.is_contiguous()]
+        direct = []
+        for p in params:
+            written = p.is_cpu and p.is_contiguous()  # else a torch copy_ wrote it: bumped
+            if written:
+                direct.append(p)
+            self._written[p] = (p._version + written, p.data_ptr())
         if direct:
             torch.autograd.graph.increment_version(direct)
-        for p in params:
-            self._written[p] = (p._version, p.data_ptr())
 
     def range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
                    grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:

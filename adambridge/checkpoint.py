@@ -119,6 +119,12 @@ def _step_of(index: int, value: Any) -> int:
     return int(raw)
 
 
+def _same_step(value: Any, step: int) -> bool:
+    # torch's load casts ab_step to the parameter's dtype (fp16 overflows past 65504): a
+    # value that is not exactly ``step`` only means our entries are not the current ones.
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.item() == step
+
+
 def _tensor(index: int, entry: dict, key: str, numel: int) -> torch.Tensor:
     value = entry[key]
     if not isinstance(value, torch.Tensor):
@@ -177,7 +183,7 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     if "step" not in entry:
         raise ValueError(f"Checkpoint state of parameter {index} lacks 'step'")
     step, numel = _step_of(index, entry["step"]), p.numel()
-    fresh = "ab_step" not in entry or _step_of(index, entry["ab_step"]) == step
+    fresh = "ab_step" not in entry or _same_step(entry["ab_step"], step)
     moments = _checked_moments(index, entry, numel, "")  # torch's form, checked always
     native = {k: entry[OURS + k] for k in NATIVE_KEYS if OURS + k in entry}
     if fresh and len(native) >= 2 and saved_precision is not None and \

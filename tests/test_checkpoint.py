@@ -306,3 +306,19 @@ def test_dcp_state_of_a_fresh_optimizer_does_not_revert_weights_loaded_after(dcp
     _train(model, opt, 1, seed=1)
     for p in model.parameters():  # one lr=1e-3 step from 0.5, not from the random weights
         assert (p.float() - 0.5).abs().max() < 2e-2
+
+
+def test_torch_cast_of_ab_step_to_fp16_is_not_an_error():
+    p = torch.nn.Parameter(torch.randn(130).half())
+    opt = AdamBridge([p], precision="fp8", backend="torch")
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["step"] = torch.tensor(70000.0)
+    saved["state"][0]["ab_step"] = torch.tensor(70000).half()  # inf, as torch's load casts it
+    saved["state"][0]["ab_exp_avg"] = torch.zeros_like(saved["state"][0]["ab_exp_avg"])
+    opt.load_state_dict(saved)  # our entries are then not trusted: torch's form is used
+    assert opt.state[p]["step"].item() == 70000
+    m, _ = host_state.decode_moments(opt.state[p])
+    torch_m = saved["state"][0]["exp_avg"].float()
+    assert torch_m.abs().min() > 0 and ((m - torch_m).abs() <= 0.25 * torch_m.abs()).all()

@@ -71,6 +71,8 @@ def _check_groups(saved_groups: list, groups: list) -> None:
         raise ValueError(f"Checkpoint has {len(saved_groups)} parameter groups, the optimizer "
                          f"has {len(groups)}; load it into an optimizer built the same way")
     for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"Checkpoint param_groups[{i}] lacks 'params'")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"Checkpoint parameter group {i} has {len(saved['params'])} "
                              f"parameters, the optimizer's has {len(group['params'])}")

@@ -275,6 +275,20 @@ def _unwritten_parameters_are_not_compared(backend):
     assert len(calls) == 1  # the version counter says when to look
 
 
+def _rounding_rewritten_keeps_master(backend):
+    p, opt = _stepped(torch.bfloat16, backend=backend, steps=2)
+    master = opt.state[p]["master"].clone()
+    assert not torch.equal(master, master.bfloat16().float())  # the master has more bits
+    with torch.no_grad():
+        p.copy_(master.view(p.shape).bfloat16())  # written, but the master's own rounding
+    opt.ensure_state(p)
+    assert torch.equal(opt.state[p]["master"], master)
+    with torch.no_grad():
+        p.add_(1.0)
+    opt.ensure_state(p)
+    assert torch.equal(opt.state[p]["master"], p.detach().float().reshape(-1))
+
+
 PROPERTIES = [
     dict(item=1, desc="backward through a graph that saved an fp32 CPU parameter raises",
          check=_backward_after_step_raises(torch.float32, "contiguous")),
@@ -311,6 +325,8 @@ PROPERTIES = [
          check=_written(_load_model)),
     dict(item=12, desc="async mode: a write between steps is the next step's start",
          check=_async_write_wins),
+    dict(item=12, desc="a write of the master's own rounding keeps the fp32 master",
+         check=_rounding_rewritten_keeps_master),
     dict(item=12, desc="only a written parameter is compared with its master",
          check=_unwritten_parameters_are_not_compared),
 ]

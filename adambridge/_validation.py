@@ -1,12 +1,15 @@
 """Argument checks of AdamBridge: each raises a one-line error naming the argument and value."""
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 import torch
 
 from .functional import BACKENDS, PRECISIONS
 
+# torch.optim.AdamW flags this optimizer does not implement: refused when truthy.
+UNSUPPORTED_TORCH_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The seed's README spells precisions as e.g. "bf16_moments"; both spellings are accepted.
 _PRECISION_ALIASES = {f"{p}_moments": p for p in PRECISIONS}
@@ -21,36 +24,53 @@ def torch_flags(flags: dict, unsupported: Iterable[str]) -> None:
                              f"(AdamBridge does not implement it; remove the argument)")
 
 
-def hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+def group_flags(group: dict, where: str) -> None:
+    """torch.optim.AdamW flags in a param group (or a loaded one): refused when truthy."""
+    for name in UNSUPPORTED_TORCH_FLAGS:
+        value = group.get(name)
+        if value:
+            raise ValueError(f"Unsupported torch.optim flag in {where}: {name}={value!r} "
+                             f"(AdamBridge does not implement it; set it to False or remove it)")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, *, where: str = "",
+                    finite: bool = False) -> None:
+    """lr, betas, eps and weight_decay in range; ``finite`` also refuses inf (loaded values)."""
+    prefix = f"{where}: " if where else ""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
+            raise ValueError(f"{prefix}Tensor lr must be 1-element, got {lr.numel()} elements")
         lr_value = float(lr)
     else:
         lr_value = lr
-    if not isinstance(lr_value, (int, float)) or not 0.0 <= lr_value:
-        raise ValueError(f"Invalid learning rate: {lr!r}")
-    if not isinstance(eps, (int, float)) or not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps!r}")
+    bounded = (lambda x: math.isfinite(x)) if finite else (lambda x: True)
+    if not _real(lr_value) or not 0.0 <= lr_value or not bounded(lr_value):
+        raise ValueError(f"{prefix}Invalid learning rate: {lr!r}")
+    if not _real(eps) or not 0.0 <= eps or not bounded(eps):
+        raise ValueError(f"{prefix}Invalid epsilon value: {eps!r}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair of floats)")
+        raise ValueError(f"{prefix}Invalid betas: {betas!r} (expected a pair of floats)")
     for index, beta in enumerate(betas):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {index}: {beta!r}")
-    if not isinstance(weight_decay, (int, float)) or not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
+        if not _real(beta) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{prefix}Invalid beta parameter at index {index}: {beta!r}")
+    if not _real(weight_decay) or not 0.0 <= weight_decay or not bounded(weight_decay):
+        raise ValueError(f"{prefix}Invalid weight_decay value: {weight_decay!r}")
 
 
 def _choice(name: str, value: Any, valid: tuple) -> str:
-    if value not in valid:
+    if not isinstance(value, str) or value not in valid:
         listed = ", ".join(repr(v) for v in valid)
         raise ValueError(f"Invalid {name}: {value!r} (valid: {listed})")
     return value
 
 
-def precision(value: Any) -> str:
+def precision(value: Any, name: str = "precision") -> str:
     value = _PRECISION_ALIASES.get(value, value) if isinstance(value, str) else value
-    return _choice("precision", value, PRECISIONS)
+    return _choice(name, value, PRECISIONS)
 
 
 def backend(value: Any) -> str:
@@ -101,9 +121,9 @@ def chunk_size(value: Any) -> int:
     return value
 
 
-def seed(value: Any) -> int:
+def seed(value: Any, name: str = "seed") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
-        raise ValueError(f"Invalid seed: {value!r} (expected an integer in [0, 2**64))")
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer in [0, 2**64))")
     return value
 
 

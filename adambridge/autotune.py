@@ -95,17 +95,14 @@ def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], flo
     """Seconds of one native update of ``numel`` synthetic elements (median of 3 after a warm-up)."""
     from . import state as host_state
     from .codecs import stream_key
-    from .functional import Hyper, UpdateItem, adamw_update
+    from .functional import Hyper, adamw_update
     master = torch.randn(numel)
     st = host_state.new_state(master, precision, alias=True)
     grad = torch.randn(numel, dtype=torch.bfloat16)
     out = torch.empty(numel, dtype=torch.bfloat16)
     hyper = Hyper.for_step(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
-    item = UpdateItem(master=st["master"], grad=grad, exp_avg=st["exp_avg"],
-                      exp_avg_sq=st["exp_avg_sq"], exp_avg_scale=st.get("exp_avg_scale"),
-                      exp_avg_sq_scale=st.get("exp_avg_sq_scale"), out=out, offset=0,
-                      key=stream_key(0, 1, 0), precision=precision, stochastic_rounding=True,
-                      hyper=hyper)
+    item = host_state.range_item(st, grad=grad, out=out, start=0, key=stream_key(0, 1, 0),
+                                 hyper=hyper, stochastic_rounding=True)
 
     def run() -> float:
         adamw_update([item], "native")

@@ -1,15 +1,69 @@
-"""Checkpoint restore: validate a saved optimizer state against the parameters, then rebuild it.
+"""Checkpoints: the saved form of the state (torch's, plus ours) and the checked restore of it.
 
-``restore`` never mutates the optimizer: it returns the new state and groups, so a checkpoint
-that does not fit is refused with everything left as it was.
+A saved parameter entry is what ``torch.optim.AdamW`` keeps (``step``; ``exp_avg`` and
+``exp_avg_sq`` decoded, in the parameter's shape and dtype), so the checkpoint loads into
+torch, plus ours: ``master`` (fp32, the parameter's shape), ``ab_step`` and, only where
+torch's form cannot hold the stored bits, the native moments ``ab_exp_avg``, ``ab_exp_avg_sq``
+(and fp8's ``ab_exp_avg_scale``, ``ab_exp_avg_sq_scale``). Each param group carries
+``seed``, ``precision`` and ``numerics`` (where torch.distributed.checkpoint keeps them). See
+docs/checkpoints.md.
+
+``restore`` never mutates the optimizer: every value is checked first and it returns the new
+state and groups, so a checkpoint that does not fit is refused with everything as it was.
 """
 from __future__ import annotations
 
+import math
 from copy import deepcopy
+from typing import Any, Optional
 
 import torch
 
+from . import _validation as check
 from . import codecs, state as host_state
+
+NATIVE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+OURS = "ab_"          # prefix of the native entries
+GROUP_META = ("seed", "precision", "numerics")
+MAX_STEP = 2 ** 24    # a float32 step (torch's and ours) counts exactly up to here
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def saved_entry(p: torch.Tensor, state: dict) -> dict:
+    """One parameter's checkpoint entry: torch's form, our master and, if needed, our bits."""
+    precision = host_state.precision_of(state)
+    m, v = host_state.decode_moments(state)
+    step = int(state["step"].item())
+    entry = {
+        "step": state["step"].clone(),
+        "exp_avg": m.to(p.dtype).view(p.shape),
+        "exp_avg_sq": v.to(p.dtype).view(p.shape),
+        "master": state["master"].view(p.shape),
+        "ab_step": torch.tensor(step, dtype=torch.int64),
+    }
+    if host_state.MOMENT_DTYPES[precision] != (p.dtype, p.dtype):
+        # torch's form rounds these moments: keep the stored bits for an exact resume.
+        entry.update({OURS + k: state[k] for k in NATIVE_KEYS if k in state})
+    return entry
+
+
+def group_meta(seed: int, precision: str) -> dict:
+    return {"seed": seed, "precision": precision, "numerics": host_state.NUMERICS_VERSION}
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _check_layout(state_dict: Any) -> None:
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"Invalid checkpoint: {type(state_dict).__name__} (expected the dict "
+                        f"returned by optimizer.state_dict())")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(f"Checkpoint lacks {key!r} (expected an optimizer state_dict "
+                             f"with 'state' and 'param_groups')")
 
 
 def _check_groups(saved_groups: list, groups: list) -> None:
@@ -17,74 +71,192 @@ def _check_groups(saved_groups: list, groups: list) -> None:
         raise ValueError(f"Checkpoint has {len(saved_groups)} parameter groups, the optimizer "
                          f"has {len(groups)}; load it into an optimizer built the same way")
     for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"Checkpoint param_groups[{i}] lacks 'params'")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"Checkpoint parameter group {i} has {len(saved['params'])} "
                              f"parameters, the optimizer's has {len(group['params'])}")
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key not in saved:
+                raise ValueError(f"Checkpoint param_groups[{i}] lacks {key!r}")
+        where = f"checkpoint param_groups[{i}]"
+        check.group_flags(saved, where)
+        check.hyperparameters(saved["lr"], saved["betas"], saved["eps"],
+                              saved["weight_decay"], where=where, finite=True)
 
 
-def _check_entry(index: int, entry: dict, p: torch.Tensor) -> None:
-    for key in ("step", "exp_avg", "exp_avg_sq"):
-        if key not in entry:
-            raise ValueError(f"Checkpoint state of parameter {index} lacks {key!r}")
-    numel = p.numel()
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        if key in entry and entry[key].numel() != numel:
-            raise ValueError(f"Checkpoint {key!r} of parameter {index} has "
-                             f"{entry[key].numel()} elements, the parameter has {numel} "
-                             f"(shape {tuple(p.shape)})")
-    precision = host_state.precision_of(entry)
+def _saved_meta(state_dict: dict, saved_groups: list) -> dict:
+    """seed / precision / numerics: from the groups (DCP keeps them), else the old entry."""
+    meta, where = {}, {}
+    for i, group in enumerate(saved_groups):
+        for key in GROUP_META:
+            if key not in group:
+                continue
+            if key in meta and group[key] != meta[key]:
+                raise ValueError(f"Checkpoint param_groups[{i}][{key!r}] is {group[key]!r}, "
+                                 f"{where[key]} is {meta[key]!r}; they must agree")
+            meta.setdefault(key, group[key])
+            where.setdefault(key, f"param_groups[{i}][{key!r}]")
+    for key, value in (state_dict.get("adambridge") or {}).items():
+        if key in GROUP_META and key not in meta:
+            meta[key], where[key] = value, f"['adambridge'][{key!r}]"
+    if "seed" in meta:
+        check.seed(meta["seed"], name=f"checkpoint seed {where['seed']}")
+    if "precision" in meta:
+        meta["precision"] = check.precision(meta["precision"],
+                                            name=f"checkpoint precision {where['precision']}")
+    if meta.get("numerics", host_state.NUMERICS_VERSION) != host_state.NUMERICS_VERSION:
+        raise ValueError(f"Checkpoint {where['numerics']} is {meta['numerics']!r}, this "
+                         f"adambridge computes numerics {host_state.NUMERICS_VERSION}; resume "
+                         f"with the adambridge version that wrote it")
+    return meta
+
+
+def _step_of(index: int, value: Any) -> int:
+    raw = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) \
+            or raw != int(raw) or not 0 <= raw <= MAX_STEP:
+        raise ValueError(f"Invalid checkpoint 'step' of parameter {index}: {value!r} "
+                         f"(expected an integer in [0, {MAX_STEP}])")
+    return int(raw)
+
+
+def _same_step(value: Any, step: int) -> bool:
+    # torch's load casts ab_step to the parameter's dtype (fp16 overflows past 65504): a
+    # value that is not exactly ``step`` only means our entries are not the current ones.
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.item() == step
+
+
+def _tensor(index: int, entry: dict, key: str, numel: int) -> torch.Tensor:
+    value = entry[key]
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"Invalid checkpoint {key!r} of parameter {index}: "
+                         f"{type(value).__name__} (expected a tensor)")
+    if value.numel() != numel:
+        raise ValueError(f"Checkpoint {key!r} of parameter {index} has {value.numel()} "
+                         f"elements, expected {numel}")
+    return value
+
+
+def _moment_dtypes_ok(moments: dict) -> Optional[str]:
+    """The precision whose storage dtypes ``moments`` have, or None."""
+    pair = (moments["exp_avg"].dtype, moments["exp_avg_sq"].dtype)
+    return next((name for name, dtypes in host_state.MOMENT_DTYPES.items()
+                 if dtypes == pair), None)
+
+
+def _checked_moments(index: int, moments: dict, numel: int, where: str) -> dict:
+    """Moments of one entry with their dtypes, sizes and (fp8) scales checked."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in moments:
+            raise ValueError(f"Checkpoint state of parameter {index} lacks {where + key!r}")
+        value = _tensor(index, moments, key, numel)
+        if not value.is_floating_point():
+            raise ValueError(f"Invalid checkpoint {where + key!r} of parameter {index}: dtype "
+                             f"{value.dtype} (expected a floating-point tensor)")
+    precision = _moment_dtypes_ok(moments)
+    if precision is None:
+        m, v = moments["exp_avg"], moments["exp_avg_sq"]
+        if m.dtype != v.dtype or m.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"Checkpoint {where}exp_avg_sq of parameter {index} has dtype "
+                             f"{v.dtype}, which does not go with an exp_avg of {m.dtype}")
+        return {"exp_avg": m.float(), "exp_avg_sq": v.float()}  # e.g. torch's fp16 moments
     if precision == "fp8":
-        blocks = codecs.fp8_num_blocks(numel)
         for key in ("exp_avg_scale", "exp_avg_sq_scale"):
-            if key not in entry or entry[key].numel() != blocks:
+            if key not in moments:
                 raise ValueError(f"Checkpoint of parameter {index} has fp8 moments without "
-                                 f"{blocks} {key!r} values")
-    expected_v = host_state.MOMENT_DTYPES[precision][1]
-    if entry["exp_avg_sq"].dtype != expected_v:
-        raise ValueError(f"Checkpoint exp_avg_sq of parameter {index} has dtype "
-                         f"{entry['exp_avg_sq'].dtype}, expected {expected_v} next to an "
-                         f"exp_avg of {entry['exp_avg'].dtype}")
+                                 f"{where + key!r}")
+            _tensor(index, moments, key, codecs.fp8_num_blocks(numel))
+    return {k: moments[k] for k in NATIVE_KEYS if k in moments and
+            (precision == "fp8" or not k.endswith("_scale"))}
 
 
-def _host_flat(tensor: torch.Tensor) -> torch.Tensor:
+def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Optional[str]) -> dict:
+    """The checked parts of one saved entry: step, moments in some precision, master or None.
+
+    Our native moments are used when they are current and intact. They are not when
+    torch.optim.AdamW loaded the checkpoint (it casts every float tensor to the parameter's
+    dtype) or stepped after loading it (``ab_step`` then lags ``step``): torch's form is the
+    truth then, and the parameter holds the weights.
+    """
+    if not isinstance(entry, dict):
+        raise ValueError(f"Invalid checkpoint state of parameter {index}: "
+                         f"{type(entry).__name__} (expected a dict)")
+    if "step" not in entry:
+        raise ValueError(f"Checkpoint state of parameter {index} lacks 'step'")
+    step, numel = _step_of(index, entry["step"]), p.numel()
+    fresh = "ab_step" not in entry or _same_step(entry["ab_step"], step)
+    moments = _checked_moments(index, entry, numel, "")  # torch's form, checked always
+    native = {k: entry[OURS + k] for k in NATIVE_KEYS if OURS + k in entry}
+    if fresh and len(native) >= 2 and saved_precision is not None and \
+            _moment_dtypes_ok(native) == saved_precision:
+        moments = _checked_moments(index, native, numel, OURS)
+    master = None
+    if "master" in entry:
+        value = _tensor(index, entry, "master", numel)
+        if not value.is_floating_point():
+            raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: dtype "
+                             f"{value.dtype} (expected torch.float32)")
+        if fresh and value.dtype == torch.float32:
+            master = value  # else torch cast or outdated it: the parameter holds the weights
+    return {"step": step, "moments": moments, "master": master}
+
+
+# --------------------------------------------------------------------------- restoring
+
+
+def _host_flat(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     flat = tensor.detach().to("cpu").reshape(-1)
-    out = host_state.host_empty(flat.numel(), flat.dtype)
+    out = host_state.host_empty(flat.numel(), dtype or flat.dtype)
     return out.copy_(flat)
 
 
-def _rebuild_entry(entry: dict, p: torch.Tensor, precision: str, alias: bool) -> dict:
-    restored = {"step": torch.tensor(float(entry["step"]))}
-    if alias:
+def _rebuild_entry(checked: dict, p: torch.Tensor, precision: str) -> dict:
+    restored = {"step": torch.tensor(float(checked["step"]))}
+    if host_state.can_alias_master(p):
         restored["master"] = p.detach().view(-1)  # fp32 CPU params are their own master
-    elif "master" in entry:
-        restored["master"] = _host_flat(entry["master"]).float()
-    else:  # a torch.optim.AdamW checkpoint: the parameter holds the weights
-        restored["master"] = _host_flat(p).float()
-    for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
-        if key in entry:
-            restored[key] = _host_flat(entry[key])
+    else:  # without a master (a torch checkpoint) the parameter holds the weights
+        source = checked["master"] if checked["master"] is not None else p
+        restored["master"] = _host_flat(source, torch.float32)
+    for key, value in checked["moments"].items():
+        restored[key] = _host_flat(value)
     host_state.convert_precision(restored, precision)
     return restored
 
 
-def restore(state_dict: dict, groups: list, params: list, precision: str) -> tuple[dict, list]:
-    """The (state, param_groups) a checkpoint describes for ``params``, or a ValueError."""
-    from .optimizer import _can_alias_master
+def restore(state_dict: Any, groups: list, params: list, precision: str) -> tuple:
+    """(state, param_groups, meta) a checkpoint describes for ``params``, or a ValueError.
+
+    ``meta`` holds the checkpoint's seed (if it has one). Entries for ids that no group lists
+    are kept as they are, as torch does.
+    """
+    _check_layout(state_dict)
     saved_groups = deepcopy(state_dict["param_groups"])
     _check_groups(saved_groups, groups)
+    meta = _saved_meta(state_dict, saved_groups)
     saved_ids = [i for g in saved_groups for i in g["params"]]
     id_to_param = dict(zip(saved_ids, params))
+    if not isinstance(state_dict["state"], dict):
+        raise ValueError(f"Invalid checkpoint 'state': {type(state_dict['state']).__name__} "
+                         f"(expected a dict of parameter id -> state)")
+    checked = {}
     for saved_id, entry in state_dict["state"].items():
-        if saved_id not in id_to_param:
-            raise ValueError(f"Checkpoint has state for parameter id {saved_id}, which no "
-                             f"parameter group lists")
-        _check_entry(saved_ids.index(saved_id), entry, id_to_param[saved_id])
+        if saved_id in id_to_param and entry != {}:  # {}: a parameter without state yet
+            checked[saved_id] = checked_entry(saved_ids.index(saved_id), entry,
+                                              id_to_param[saved_id], meta.get("precision"))
     new_state = {}
     for saved_id, entry in state_dict["state"].items():
-        p = id_to_param[saved_id]
-        new_state[p] = _rebuild_entry(entry, p, precision, _can_alias_master(p))
+        if saved_id in checked:
+            p = id_to_param[saved_id]
+            new_state[p] = _rebuild_entry(checked[saved_id], p, precision)
+        elif saved_id not in id_to_param:
+            new_state[saved_id] = entry  # not a parameter's: kept as is, as torch does
     new_groups = []
     for saved, group in zip(saved_groups, groups):
+        for key in GROUP_META:
+            saved.pop(key, None)  # the optimizer's own settings, not group options
         saved["params"] = group["params"]
+        if "param_names" in group and "param_names" not in saved:
+            saved["param_names"] = group["param_names"]
         new_groups.append(saved)
-    return new_state, new_groups
+    return new_state, new_groups, meta

@@ -13,15 +13,17 @@ import torch
 
 from . import _validation as check
 from . import checkpoint, state as host_state
-from .codecs import FP8_BLOCK, stream_key
-from .functional import Hyper, UpdateItem, adamw_update
+from ._validation import UNSUPPORTED_TORCH_FLAGS
+from .functional import UpdateItem, adamw_update
+from .params import ParamOwner
+from .state import can_alias_master
 from .stats import StepStats
 
-# torch.optim.AdamW flags this optimizer does not implement: refused when truthy.
-UNSUPPORTED_TORCH_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
+# Settings of the whole optimizer that checkpoints carry in every group (see checkpoint.py).
+_OPTIMIZER_WIDE = ("seed", "precision", "numerics")
 
 
-class AdamBridge(torch.optim.Optimizer):
+class AdamBridge(ParamOwner, torch.optim.Optimizer):
     """AdamW with fp32 master weights and both moments in host RAM, updated by a fused kernel.
 
     A drop-in replacement for ``torch.optim.AdamW`` (``backward(); step(); zero_grad()``)
@@ -77,6 +79,8 @@ class AdamBridge(torch.optim.Optimizer):
         self._param_index: dict[torch.Tensor, int] = {}
         self._layout: dict[torch.Tensor, tuple[torch.Size, torch.dtype]] = {}
         self._writeback: dict[torch.Tensor, torch.Tensor] = {}
+        # (version, data_ptr) of each parameter when this optimizer last wrote it back.
+        self._written: dict[torch.Tensor, tuple[int, int]] = {}
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -101,12 +105,18 @@ class AdamBridge(torch.optim.Optimizer):
 
     def host_state_bytes(self) -> int:
         """Bytes of host memory held by all parameters' master weights and moments."""
-        return sum(host_state.state_bytes(s) for s in self.state.values() if s)
+        return sum(host_state.state_bytes(s) for p, s in self.state.items()
+                   if isinstance(p, torch.Tensor) and s)
 
     # ------------------------------------------------------------------ param groups
 
     def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
         params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("Invalid params of a param group: a set (its order changes between "
+                            "runs, and the order names checkpoint entries); use a list")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # Weight tying: one tensor reached twice gets one state (torch.optim warns instead).
         unique, seen = [], set()
@@ -118,19 +128,16 @@ class AdamBridge(torch.optim.Optimizer):
                 seen.add(key)
                 check.parameter(key, len(self._param_index) + len(unique))
             unique.append(p)
-        param_group = dict(param_group, params=unique)
-        if "lr" in param_group or "betas" in param_group or "eps" in param_group:
-            check.hyperparameters(param_group.get("lr", self.defaults["lr"]),
-                                  param_group.get("betas", self.defaults["betas"]),
-                                  param_group.get("eps", self.defaults["eps"]),
-                                  param_group.get("weight_decay", self.defaults["weight_decay"]))
-        super().add_param_group(param_group)
+        for key in _OPTIMIZER_WIDE:
+            if key in param_group:
+                raise ValueError(f"Invalid param group option {key!r}: "
+                                 f"{param_group[key]!r} (it is optimizer-wide; pass it "
+                                 f"to AdamBridge(...) instead)")
+        check.group_flags(param_group, "a param group")
+        check.hyperparameters(*(param_group.get(k, self.defaults[k])
+                                for k in ("lr", "betas", "eps", "weight_decay")))
+        super().add_param_group(dict(param_group, params=unique))
         self._index_params()
-
-    def _index_params(self) -> None:
-        # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
-        flat = [p for group in self.param_groups for p in group["params"]]
-        self._param_index = {p: i for i, p in enumerate(flat)}
 
     # ------------------------------------------------------------------ backend
 
@@ -186,6 +193,7 @@ class AdamBridge(torch.optim.Optimizer):
             for p, _, state, step in work:
                 state["step"].fill_(step)
                 self._write_back(p, state)
+            self.mark_written([p for p, _, _, _ in work])
         stats.num_params, stats.num_batches = len(work), int(bool(work))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
         return loss
@@ -218,7 +226,8 @@ class AdamBridge(torch.optim.Optimizer):
     def _collect_work(self) -> list:
         """Validate every gradient first, so a bad one leaves everything untouched."""
         work = []
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
+            check.group_flags(group, f"param_groups[{i}]")  # set after construction or load
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -226,22 +235,16 @@ class AdamBridge(torch.optim.Optimizer):
                 work.append((p, group))
         prepared = []
         for p, group in work:
-            state = self.state[p]
-            if not state:
-                state.update(self._new_state(p))
+            state = self.ensure_state(p)
             prepared.append((p, group, state, int(state["step"].item()) + 1))
         return prepared
 
-    def _new_state(self, p: torch.Tensor) -> dict:
-        self._layout[p] = (p.shape, p.dtype)
-        return host_state.new_state(p.detach(), self._precision, alias=_can_alias_master(p))
-
     def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int) -> UpdateItem:
-        return self._range_item(p, group, state, step, _host_grad(p), self._out_buffer(p), 0)
+        return self.range_item(p, group, state, step, _host_grad(p), self._out_buffer(p), 0)
 
     def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""
-        if _can_alias_master(p):
+        if can_alias_master(p):
             return None
         if p.is_cpu and p.is_contiguous():
             return p.detach().view(-1)
@@ -311,73 +314,77 @@ class AdamBridge(torch.optim.Optimizer):
 
     def aliases_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is its own fp32 master (an fp32, contiguous CPU parameter)."""
-        return _can_alias_master(p)
-
-    def range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
-                   grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:
-        """The UpdateItem of elements [start, start + grad.numel()) of p (a chunk, a shard)."""
-        return self._range_item(p, group, state, step, grad, out, start)
-
-    def _range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
-                    grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:
-        """_update_item for elements [start, start + grad.numel()) of p, with given host views.
-
-        The state is sliced (fp8 scales per 128-block; start is a multiple of 128), and the
-        item's offset is ``start``, so a chunk draws the same rounding bits as the whole.
-        """
-        numel = grad.numel()
-        beta1, beta2 = group["betas"]
-        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                               weight_decay=group["weight_decay"], step=step)
-        if _can_alias_master(p):
-            state["master"] = p.detach().view(-1)
-        views = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
-        if start == 0 and numel == state["master"].numel():
-            ranged = {k: state.get(k) for k in views}  # the whole parameter: no slicing
-        else:
-            end = start + numel
-            first_block, end_block = start // FP8_BLOCK, -(-end // FP8_BLOCK)
-            ranged = {k: state[k][start:end] for k in views[:3]}
-            ranged.update({k: state[k][first_block:end_block] if k in state else None
-                           for k in views[3:]})
-        return UpdateItem(
-            **ranged, grad=grad, out=out, offset=start,
-            key=stream_key(self.seed, step, self._param_index[p]),
-            precision=host_state.precision_of(state), stochastic_rounding=self.stochastic_rounding,
-            hyper=hyper)
+        return can_alias_master(p)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        saved = super().state_dict()
-        saved["adambridge"] = {"seed": self.seed, "precision": self._precision}
+        """torch's layout, loadable by torch.optim.AdamW, plus what an exact resume needs.
+
+        See adambridge/checkpoint.py and docs/checkpoints.md for the keys.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        meta = checkpoint.group_meta(self.seed, self._precision)
+        groups = [dict({k: v for k, v in group.items() if k != "params"}, **meta,
+                       params=[self._param_index[p] for p in group["params"]])
+                  for group in self.param_groups]
+        state = {}
+        for key, value in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = value  # not a parameter's: kept as is, as torch does
+            elif value:
+                state[self._param_index[key]] = checkpoint.saved_entry(key, value)
+        saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, saved)
+            saved = saved if result is None else result
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint (ours, or torch.optim.AdamW's), converting the precision.
 
-        Everything is validated before anything changes: a mismatched checkpoint raises
-        and leaves the optimizer as it was.
+        Every value is checked before anything changes: a checkpoint that does not fit, or
+        holds a value out of range, raises and leaves the optimizer as it was.
         """
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         params = [p for group in self.param_groups for p in group["params"]]
-        new_state, new_groups = checkpoint.restore(state_dict, self.param_groups, params,
-                                                   self._precision)
+        new_state, new_groups, meta = checkpoint.restore(state_dict, self.param_groups,
+                                                         params, self._precision)
         self.state.clear()
-        for p, s in new_state.items():
-            self.state[p] = s
-            self._layout[p] = (p.shape, p.dtype)
+        self._layout.clear()
+        self._written.clear()  # the next step compares each parameter with its master
+        for key, value in new_state.items():
+            self.state[key] = value
+            if isinstance(key, torch.Tensor):
+                self._layout[key] = (key.shape, key.dtype)
         self.param_groups = new_groups
         self._index_params()
-        self.seed = state_dict.get("adambridge", {}).get("seed", self.seed)
+        self.seed = meta.get("seed", self.seed)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    # ------------------------------------------------------------------ copies
 
-def _can_alias_master(p: torch.Tensor) -> bool:
-    """An fp32, contiguous CPU parameter is its own master: no copy, no write-back."""
-    return p.is_cpu and p.dtype == torch.float32 and p.is_contiguous()
+    def __getstate__(self) -> dict:
+        # Everything but the hooks (as torch) and the async pipeline: its threads and hooks
+        # belong to the original, so a copy or an unpickled optimizer is in synchronous mode.
+        state = {k: v for k, v in self.__dict__.items()
+                 if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
+        state["_pipeline"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        had_flag = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)
+        if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
+            self.defaults.pop("differentiable", None)
+
+
+_can_alias_master = can_alias_master  # the name pipeline code of before the seams imported
 
 
 def _host_grad(p: torch.Tensor) -> torch.Tensor:

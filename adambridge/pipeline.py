@@ -127,15 +127,15 @@ class Pipeline(FactsMixin):
             return  # the gradient stays on the device and accumulates
         record = self._current_record()
         if p in record.jobs:
-            raise RuntimeError(f"parameter {self.opt._param_index[p]} received a second gradient "
+            raise RuntimeError(f"parameter {self.opt.index(p)} received a second gradient "
                                f"before the optimizer step; wrap the earlier backward passes "
                                f"of the step in `with opt.accumulate():`, or pass "
                                f"accumulation_steps=N to attach_hooks")
         if record.failed:
             return
-        index = self.opt._param_index[p]
+        index = self.opt.index(p)
         try:
-            check.gradient(p, index, self.opt._layout.get(p))
+            self.opt.check_gradient(p)
         except (RuntimeError, ValueError) as exc:
             record.fail(exc)
             return
@@ -187,11 +187,9 @@ class Pipeline(FactsMixin):
     def _check_layouts(self, record: StepRecord) -> None:
         # Before the first update of the step: a replaced parameter fails with nothing done.
         opt = self.opt
-        for p, layout in opt._layout.items():
-            if p not in self.group_of:
-                continue
+        for p in self.group_of:
             try:
-                check.unchanged_layout(p, opt._param_index[p], layout)
+                opt.check_layout(p)
             except ValueError as exc:
                 record.fail(exc)
                 return
@@ -201,14 +199,12 @@ class Pipeline(FactsMixin):
         opt = self.opt
         state = opt.state.get(p) or None
         step = int(state["step"].item()) + 1 if state else 1
-        return Job(opt, p, opt._param_index[p], self.group_of[p], state, step, grad, out,
+        return Job(opt, p, opt.index(p), self.group_of[p], state, step, grad, out,
                    transport.source(p) if new else None, pieces, transport)
 
     def _enqueue(self, p: torch.Tensor, record: StepRecord) -> None:
         opt, lane = self.opt, self.lanes[p.device]
-        new = not opt.state.get(p)
-        if new:
-            opt._layout[p] = (p.shape, p.dtype)
+        new = opt.needs_values(p)  # a first update, or p written by someone else
         grad = p.grad
         ranges = (chunk_ranges(p.numel(), opt.chunk_size) if p.is_contiguous()
                   else [(0, p.numel())])
@@ -255,14 +251,12 @@ class Pipeline(FactsMixin):
         params = self._unsent(record, lane.transport.device)
         for p in params:
             try:
-                check.gradient(p, opt._param_index[p], opt._layout.get(p))
+                opt.check_gradient(p)
             except (RuntimeError, ValueError) as exc:
                 record.fail(exc)
         if not params or record.failed:
             return
-        new = [p for p in params if not opt.state.get(p)]
-        for p in new:
-            opt._layout[p] = (p.shape, p.dtype)
+        new = [p for p in params if opt.needs_values(p)]
         grads, ticket = lane.transport.group_to_host(params, bool(new))
         outs = lane.transport.group_out(params)
         writeback = WriteBack(functools.partial(lane.transport.group_to_device, params),
@@ -306,6 +300,7 @@ class Pipeline(FactsMixin):
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
             lane.transport.finish()  # the current stream waits for the copies back
+        self.opt.mark_written([job.p for job in record.jobs.values() if job.pieces_left == 0])
         with self._record_lock:
             self._record = None
         self._micro = 0
@@ -316,7 +311,7 @@ class Pipeline(FactsMixin):
         record.jobs.clear()  # the host gradients go now, not at the next step
         if record.failed:
             _raise_step_error(record)
-        if len(self.opt._param_index) != len(self.owned):  # checked once the step is done
+        if sum(len(g["params"]) for g in self.opt.param_groups) != len(self.owned):  # step done
             raise RuntimeError("parameters were added after attach_hooks() and are never "
                                "updated: call opt.detach_hooks(), then opt.attach_hooks(model)")
         if self.tuner is not None and not record.held:
@@ -400,7 +395,7 @@ def _model_params(model: torch.nn.Module, owned: list) -> list:
 def _refuse_shared_hooks(hooked: list, opt: Any) -> None:
     for p in hooked:
         if interception.hooked_anywhere([p]):
-            raise RuntimeError(f"attach_hooks(): parameter {opt._param_index[p]} already has "
+            raise RuntimeError(f"attach_hooks(): parameter {opt.index(p)} already has "
                                f"the hooks of another AdamBridge optimizer; give each "
                                f"optimizer its own parameters, or detach the other first")
 

@@ -6,6 +6,7 @@ addcdiv, which may fuse), so the C kernel can reproduce it bit for bit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,8 +48,38 @@ def _store_moments(item: "UpdateItem", m: torch.Tensor, v: torch.Tensor, s: torc
     item.exp_avg_sq_scale.copy_(scale_s)
 
 
+# NOTE: elements per pass of _update_block: every line below allocates a temporary of the
+# block's size, so a whole 1 GB parameter would need ~9 GB more (issue 9); 64 Ki elements
+# (a multiple of the fp8 block) keep the extra memory constant and the bits unchanged.
+BLOCK = 1 << 16
+
+
 def update_range(item: "UpdateItem") -> None:
-    """AdamW on one range, in place: master, moments and the low-precision copy."""
+    """AdamW on one range, in place: master, moments and the low-precision copy.
+
+    The range is updated in blocks of BLOCK elements; each is a range of its own (offset
+    and fp8 scales sliced), so the bits are those of one pass (DESIGN.md section 2).
+    """
+    if item.numel <= BLOCK:
+        _update_block(item)
+        return
+    for start in range(0, item.numel, BLOCK):
+        _update_block(_sub_range(item, start, min(start + BLOCK, item.numel)))
+
+
+def _sub_range(item: "UpdateItem", start: int, end: int) -> "UpdateItem":
+    scales = {}
+    if item.exp_avg_scale is not None:
+        first, last = start // codecs.FP8_BLOCK, -(-end // codecs.FP8_BLOCK)
+        scales = dict(exp_avg_scale=item.exp_avg_scale[first:last],
+                      exp_avg_sq_scale=item.exp_avg_sq_scale[first:last])
+    return replace(item, master=item.master[start:end], grad=item.grad[start:end],
+                   exp_avg=item.exp_avg[start:end], exp_avg_sq=item.exp_avg_sq[start:end],
+                   out=None if item.out is None else item.out[start:end],
+                   offset=item.offset + start, **scales)
+
+
+def _update_block(item: "UpdateItem") -> None:
     h = item.hyper
     g = item.grad.float()
     m, v = _load_moments(item)

@@ -16,6 +16,13 @@ import torch
 
 from . import codecs
 from .codecs import FP8_BLOCK
+from .functional import Hyper, UpdateItem
+
+# NOTE: the version of the update's arithmetic (docs/numerics.md). Checkpoints record it and a
+# checkpoint of another version is refused: its moments and rounding decisions would not be
+# the ones this code makes, so a resume would silently stop being bit-exact. Bump it with any
+# change that alters a single bit of an update.
+NUMERICS_VERSION = 1
 
 # Storage dtype of (exp_avg, exp_avg_sq) per precision; the dtype identifies the precision
 # of a saved state, which is how a checkpoint is converted on load.
@@ -67,6 +74,11 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return host_empty(numel, dtype).zero_()
+
+
+def can_alias_master(p: torch.Tensor) -> bool:
+    """An fp32, contiguous CPU parameter is its own master: no copy, no write-back."""
+    return p.is_cpu and p.dtype == torch.float32 and p.is_contiguous()
 
 
 def new_state(master_source: torch.Tensor, precision: str, *, alias: bool) -> dict:
@@ -146,3 +158,46 @@ def state_bytes(state: dict) -> int:
     """Host bytes held by one parameter's state (master, moments, scales)."""
     keys = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
     return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
+
+
+def adopt_written(state: dict, values: torch.Tensor) -> bool:
+    """Take a parameter's values as the new master unless they are the master's rounding.
+
+    ``values`` are the parameter's (any device, any layout). Returns whether the master
+    changed. NOTE: written weights win (DESIGN.md section 8), but a parameter that holds
+    exactly the rounding of the master (a model loaded from the same checkpoint, in either
+    order) keeps the fp32 master, so a resume stays bit-exact.
+    """
+    master = state["master"]
+    values = values.detach().reshape(-1).to("cpu")
+    rounded = master if values.dtype == torch.float32 else master.to(values.dtype)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    as_bits = bits[values.dtype]  # compare bits: NaN payloads and -0.0 count as written too
+    if torch.equal(rounded.view(as_bits), values.view(as_bits)):
+        return False
+    master.copy_(values)
+    return True
+
+
+def range_views(state: dict, start: int, end: int) -> dict:
+    """The master, moments and fp8 scales of elements [start, end) (start % 128 == 0)."""
+    views = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+    if start == 0 and end == state["master"].numel():
+        return {k: state.get(k) for k in views}  # the whole parameter: no slicing
+    first_block, end_block = start // FP8_BLOCK, -(-end // FP8_BLOCK)
+    ranged = {k: state[k][start:end] for k in views[:3]}
+    ranged.update({k: state[k][first_block:end_block] if k in state else None
+                   for k in views[3:]})
+    return ranged
+
+
+def range_item(state: dict, *, grad: torch.Tensor, out: Optional[torch.Tensor], start: int,
+               key: int, hyper: Hyper, stochastic_rounding: bool) -> UpdateItem:
+    """The UpdateItem of elements [start, start + grad.numel()) of one parameter's state.
+
+    The one range builder: a whole parameter, a chunk, a shard or a page is a range, and the
+    item's offset is ``start``, so every split draws the same rounding bits as the whole.
+    """
+    return UpdateItem(**range_views(state, start, start + grad.numel()), grad=grad, out=out,
+                      offset=start, key=key, precision=precision_of(state),
+                      stochastic_rounding=stochastic_rounding, hyper=hyper)

@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import state as host_state
 from . import step_facts, topology
 from .functional import adamw_update
 
@@ -262,11 +261,11 @@ class Lane:
 
     def _item(self, piece: Piece) -> Any:
         job = piece.job
-        if job.state is None:  # first update: the master is made here, first touched by us
-            alias = job.opt.aliases_master(job.p)
-            source = job.p.detach() if alias else job.source
-            job.state = job.opt.state[job.p] = host_state.new_state(source, job.opt.precision,
-                                                                    alias=alias)
+        if job.state is None or job.source is not None:
+            # A first update (the master is made here, first touched by us) or p written by
+            # someone else since the last step (the master takes its values).
+            job.state = job.opt.ensure_state(job.p, job.source)
+            job.source = None
         out = None if job.out is None else job.out[piece.start:piece.end]
         return job.opt.range_item(job.p, job.group, job.state, job.step,
                                   job.grad[piece.start:piece.end], out, piece.start)

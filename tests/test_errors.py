@@ -107,3 +107,23 @@ def test_dtype_change_between_steps_is_refused():
     p.grad = torch.ones(6, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"changed from \(6,\) torch.float32 to \(6,\) torch.bfloat16"):
         opt.step()
+
+
+GROUP_ERRORS = [
+    dict(desc="negative weight decay alone", group=dict(weight_decay=-0.1), exc=ValueError,
+         match=r"^Invalid weight_decay value: -0\.1$"),
+    dict(desc="precision per group", group=dict(precision="bf16"), exc=ValueError,
+         match=r"^Invalid param group option 'precision': 'bf16' \(it is optimizer-wide"),
+    dict(desc="seed per group", group=dict(seed=3), exc=ValueError,
+         match=r"^Invalid param group option 'seed': 3 \(it is optimizer-wide"),
+    dict(desc="not a dict", group=None, exc=TypeError, match=r"^param_group must be a dict"),
+]
+
+
+@pytest.mark.parametrize("case", GROUP_ERRORS, ids=lambda c: c["desc"])
+def test_add_param_group_refuses_bad_groups(case):
+    opt = AdamBridge(_params())
+    group = [_params()[0]] if case["group"] is None else dict(case["group"], params=_params())
+    with pytest.raises(case["exc"], match=case["match"]) as info:
+        opt.add_param_group(group)
+    assert "\n" not in str(info.value) and len(opt.param_groups) == 1

@@ -1,0 +1,106 @@
+"""Who each parameter is to the optimizer: its index, its layout, its state and its writes.
+
+The one owner of the parameter index (the state_dict order and a key of the rounding bits),
+the layout each state was made for, lazy state creation and the record of each write-back;
+the synchronous step, the async pipeline and later tiers (shards, NVMe pages) all call these
+public methods rather than reaching into the optimizer (DESIGN.md section 8, the seams).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _validation as check
+from . import state as host_state
+from .codecs import stream_key
+from .functional import Hyper, UpdateItem
+from .state import can_alias_master
+
+
+class ParamOwner:
+    """Mixin of AdamBridge; needs ``param_groups``, ``state``, ``seed``, ``_precision``,
+    ``stochastic_rounding`` and the dicts ``_param_index``, ``_layout``, ``_written``."""
+
+    def _index_params(self) -> None:
+        # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
+        flat = [p for group in self.param_groups for p in group["params"]]
+        self._param_index = {p: i for i, p in enumerate(flat)}
+
+    def index(self, p: torch.Tensor) -> int:
+        """p's index: its position in the state_dict and a key of its rounding bits."""
+        try:
+            return self._param_index[p]
+        except KeyError:
+            raise ValueError(f"Invalid parameter: a tensor of shape {tuple(p.shape)} that "
+                             f"this optimizer does not own (add it with add_param_group)") from None
+
+    def check_layout(self, p: torch.Tensor) -> None:
+        """Raise if p's shape or dtype changed since its state was made."""
+        check.unchanged_layout(p, self.index(p), self._layout.get(p))
+
+    def check_gradient(self, p: torch.Tensor) -> None:
+        """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout)."""
+        check.gradient(p, self.index(p), self._layout.get(p))
+
+    def written_elsewhere(self, p: torch.Tensor) -> bool:
+        """Whether p was written by anyone else since this optimizer last wrote it."""
+        if can_alias_master(p):
+            return False  # p's storage is the master: what anyone writes is the master
+        return self._written.get(p) != (p._version, p.data_ptr())
+
+    def needs_values(self, p: torch.Tensor) -> bool:
+        """Whether ``ensure_state(p, source)`` will read p's values (pass them as source)."""
+        return not self.state.get(p) or self.written_elsewhere(p)
+
+    def ensure_state(self, p: torch.Tensor, source: Optional[torch.Tensor] = None) -> dict:
+        """p's state: made from p's values if it has none, its master refreshed if p was
+        written by anyone else since the last write-back (DESIGN.md section 8).
+
+        ``source``: p's values already copied to the host (async mode), else p is read.
+        A parameter holding exactly the rounding of its master keeps the master.
+        """
+        state = self.state[p]
+        if state:  # the common case first: one dict lookup and one tuple compare
+            if self._written.get(p) != (p._version, p.data_ptr()) and not can_alias_master(p):
+                host_state.adopt_written(state, p.detach() if source is None else source)
+            return state
+        alias = can_alias_master(p)
+        self._layout[p] = (p.shape, p.dtype)
+        values = p.detach() if source is None or alias else source
+        state.update(host_state.new_state(values, self._precision, alias=alias))
+        return state
+
+    def mark_written(self, params: Sequence[torch.Tensor]) -> None:
+        """Record that this optimizer has just written ``params`` (after each write-back).
+
+        Bumps the autograd version of those the kernel wrote through their data pointer, as
+        torch's in-place ops do, so a graph that saved them refuses to run backward; then
+        records every version, so a write by anyone else is seen at the next step.
+        """
+        direct = []
+        for p in params:
+            written = p.is_cpu and p.is_contiguous()  # else a torch copy_ wrote it: bumped
+            if written:
+                direct.append(p)
+            self._written[p] = (p._version + written, p.data_ptr())
+        if direct:
+            torch.autograd.graph.increment_version(direct)
+
+    def range_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
+                   grad: torch.Tensor, out: Optional[torch.Tensor], start: int) -> UpdateItem:
+        """The UpdateItem of elements [start, start + grad.numel()) of p, with host views.
+
+        The state is sliced (fp8 scales per 128-block; start is a multiple of 128), and the
+        item's offset is ``start``, so a chunk draws the same rounding bits as the whole.
+        """
+        beta1, beta2 = group["betas"]
+        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                               weight_decay=group["weight_decay"], step=step)
+        if can_alias_master(p):
+            state["master"] = p.detach().view(-1)  # p may have a new storage (p.data = ...)
+        return host_state.range_item(state, grad=grad, out=out, start=start,
+                                     key=stream_key(self.seed, step, self._param_index[p]),
+                                     hyper=hyper, stochastic_rounding=self.stochastic_rounding)
+
+    _range_item = range_item  # the name pipeline code of before the seams used

@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, state as host_state
+from . import checkpoint, nvme, state as host_state
 from .codecs import FP8_BLOCK, stream_key
 from .functional import Hyper, UpdateItem, adamw_update
 from .stats import StepStats
@@ -48,6 +48,8 @@ class AdamBridge(torch.optim.Optimizer):
         autotune: Any = False,
         seed: int = 0,
         small_param_threshold: int = 65536,
+        offload_dir: Any = None,
+        host_budget: Optional[int] = None,
         **torch_flags: Any,
     ) -> None:
         check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
@@ -64,6 +66,8 @@ class AdamBridge(torch.optim.Optimizer):
         self.small_param_threshold = check.non_negative_int("small_param_threshold",
                                                             small_param_threshold)
         self.autotune_config = check.autotune(autotune)
+        # NVMe tier (issue 14): validated here, created once the parameters are known.
+        offload = nvme.check_offload(offload_dir, host_budget, self.autotune_config)
         self.autotune_log: list = []
         self.last_step_stats = None
         self._resolved_backend: Optional[str] = None
@@ -73,6 +77,7 @@ class AdamBridge(torch.optim.Optimizer):
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self._tier = nvme.Tier(self, offload, host_budget) if offload is not None else None
         if self._backend_request == "native":
             self._resolve_backend()  # fail now, not at the first step
 
@@ -91,6 +96,15 @@ class AdamBridge(torch.optim.Optimizer):
             from ._native import loader
             return f"native/{loader.isa_name()}"
         return "torch"
+
+    def placement(self) -> list:
+        """Where each parameter's state lives: a list of nvme.Placed (index, numel, 'ram' or
+        'file', state_bytes) in state_dict order; all 'ram' without ``offload_dir``."""
+        if self._tier is not None:
+            return self._tier.placement()
+        per_param = host_state.HOST_BYTES_PER_PARAM[self._precision]
+        return [nvme.Placed(i, p.numel(), "ram", int(per_param * p.numel()))
+                for p, i in sorted(self._param_index.items(), key=lambda kv: kv[1])]
 
     def host_state_bytes(self) -> int:
         """Bytes of host memory held by all parameters' master weights and moments."""
@@ -158,6 +172,8 @@ class AdamBridge(torch.optim.Optimizer):
         if not work:
             return loss
         backend = self._resolve_backend()
+        if self._tier is not None:  # NVMe tier: streams and commits its parameters first
+            work = self._tier.step(work, backend)
         items = [self._update_item(p, group, state, step) for p, group, state, step in work]
         adamw_update(items, backend)
         for p, _, state, step in work:
@@ -184,6 +200,8 @@ class AdamBridge(torch.optim.Optimizer):
 
     def _new_state(self, p: torch.Tensor) -> dict:
         self._layout[p] = (p.shape, p.dtype)
+        if self._tier is not None and self._tier.holds(p):
+            return self._tier.new_state(p)
         return host_state.new_state(p.detach(), self._precision, alias=_can_alias_master(p))
 
     def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int) -> UpdateItem:
@@ -292,6 +310,8 @@ class AdamBridge(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         saved = super().state_dict()
         saved["adambridge"] = {"seed": self.seed, "precision": self._precision}
+        if self._tier is not None:
+            self._tier.fill_state_dict(saved)  # waits for in-flight writes
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -305,6 +325,8 @@ class AdamBridge(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         new_state, new_groups = checkpoint.restore(state_dict, self.param_groups, params,
                                                    self._precision)
+        if self._tier is not None:
+            new_state = self._tier.adopt(new_state)  # file-placed states go into their files
         self.state.clear()
         for p, s in new_state.items():
             self.state[p] = s

@@ -222,6 +222,8 @@ class Pipeline:
             stats.h2d_s += copies.h2d_s
             stats.d2h_bytes += copies.d2h_bytes
             stats.h2d_bytes += copies.h2d_bytes
+        if getattr(self.opt, "_tier", None) is not None:
+            self.opt._tier.take_io(stats)  # the NVMe tier's bytes and I/O wait
         stats.wall_s = time.perf_counter() - record.began
         return stats
 

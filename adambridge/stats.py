@@ -13,6 +13,8 @@ class StepStats:
     long ``step_sync()`` (or ``step()``) waited for the host; ``wall_s``: from the first
     gradient of the step to the end of ``step_sync()``; ``d2h_bytes`` / ``h2d_bytes``: bytes
     moved each way; ``num_params`` / ``num_batches``: parameters updated and native calls made.
+    ``io_read_bytes`` / ``io_write_bytes`` / ``io_wait_s``: the NVMe tier's file traffic and
+    the time its streaming waited for I/O (0 without ``offload_dir``).
     """
 
     host_update_s: float = 0.0
@@ -24,6 +26,9 @@ class StepStats:
     h2d_bytes: int = 0
     num_params: int = 0
     num_batches: int = 0
+    io_read_bytes: int = 0
+    io_write_bytes: int = 0
+    io_wait_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

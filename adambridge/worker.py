@@ -187,6 +187,8 @@ class Lane:
         if record.failed:
             return
         try:
+            tier = getattr(batch[0].job.opt, "_tier", None)  # NVMe tier: streams its params
+            batch, streamed = tier.route(batch, self.backend) if tier else (batch, [])
             items = [self._item(piece) for piece in batch]
             began = time.perf_counter()
             adamw_update(items, self.backend)
@@ -194,7 +196,7 @@ class Lane:
             with record.lock:
                 record.host_update_s += elapsed
                 record.num_batches += 1
-            for piece in batch:
+            for piece in batch + streamed:
                 self._done(piece)
         except Exception as exc:  # noqa: BLE001 - re-raised by step_sync
             record.fail(exc, f"the update worker for {self.transport.device}")

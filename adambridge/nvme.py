@@ -1,0 +1,468 @@
+"""The NVMe tier: which parameters' state lives in files, and the paged step that streams it.
+
+``AdamBridge(..., offload_dir=PATH or [PATHS] or OffloadConfig, host_budget=BYTES)`` keeps the
+smallest parameters' state in RAM while it fits ``host_budget`` and puts the rest in files
+(nvme_layout.py). A step streams each file-backed parameter through the kernel page by page:
+page k+1 is being read while page k is updated and page k-1 written (nvme_io.py), into a ring
+of aligned buffers allocated once. The new pages go to the other A/B slot; after every page of
+the step is written and fsynced, one manifest publish commits them all, and only then are the
+parameters written back and ``state["step"]`` advanced. A fault before the publish raises
+with the parameters, the RAM state and the committed files exactly as before the step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from . import state as host_state
+from .codecs import FP8_BLOCK
+from .functional import adamw_update
+from .nvme_io import AlignedBuffer, IOPool, TierError, describe_os_error
+from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state
+from .stats import StepStats
+
+PathArg = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where and how the tier streams: ``paths`` (one per drive, striped), ``page_size``
+    (elements per page, a multiple of 128) and ``queue_depth`` (I/O requests in flight)."""
+
+    paths: Sequence[PathArg]
+    page_size: int = 1 << 18
+    queue_depth: int = 4
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where one parameter's state lives: ``where`` is 'ram' or 'file'."""
+
+    index: int
+    numel: int
+    where: str
+    state_bytes: int
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def check_offload(offload_dir: Any, host_budget: Any, autotune_config: Any) -> Optional[OffloadConfig]:
+    """Validate offload_dir and host_budget together; None means no tier."""
+    if offload_dir is None:
+        if host_budget is not None:
+            raise ValueError(f"host_budget={host_budget!r} needs offload_dir: pass the "
+                             f"directory where state beyond the budget goes")
+        return None
+    config = offload_dir if isinstance(offload_dir, OffloadConfig) else OffloadConfig(
+        [offload_dir] if isinstance(offload_dir, (str, os.PathLike)) else list(offload_dir))
+    if isinstance(host_budget, bool) or not (host_budget is None or
+                                             (isinstance(host_budget, int) and host_budget >= 0)):
+        raise ValueError(f"Invalid host_budget: {host_budget!r} (expected bytes, an int >= 0)")
+    _check_config(config)
+    if autotune_config is not None and autotune_config.tune_precision:
+        raise ValueError("offload_dir cannot be combined with autotune precision step-down "
+                         "(file-backed state keeps one precision); pass "
+                         "autotune=AutoTuneConfig(tune_precision=False)")
+    return dataclasses.replace(config, paths=tuple(Path(p) for p in config.paths))
+
+
+def _check_config(config: OffloadConfig) -> None:
+    if not config.paths:
+        raise ValueError("Invalid offload_dir: an empty list (pass at least one directory)")
+    for path in config.paths:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"Invalid offload_dir entry: {path!r} (expected a path)")
+        if not Path(path).is_dir():
+            raise ValueError(f"offload_dir {str(path)!r} is not an existing directory; create "
+                             f"it first (one directory per drive)")
+    if len({os.path.realpath(p) for p in config.paths}) != len(config.paths):
+        raise ValueError(f"offload_dir lists a directory twice: {[str(p) for p in config.paths]}")
+    size = config.page_size
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % FP8_BLOCK:
+        raise ValueError(f"Invalid page_size: {size!r} (expected a positive multiple of "
+                         f"{FP8_BLOCK} elements, so fp8 block scales are whole)")
+    depth = config.queue_depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+        raise ValueError(f"Invalid queue_depth: {depth!r} (expected an int >= 2: one read "
+                         f"and one write in flight)")
+
+
+def _lock_dir(directory: Path) -> int:
+    """An exclusive lock, so two optimizers never share a directory's files; also proves
+    the directory writable at construction rather than at the first step."""
+    path = directory / "adambridge.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ValueError(describe_os_error("creating", path, exc)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
+                         f"give each optimizer its own directory") from None
+    return fd
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def place(params: Sequence[tuple[int, int]], precision: str, budget: Optional[int]) -> dict:
+    """{index: 'ram' | 'file'} for (index, numel) pairs: smallest first into RAM while the
+    state fits ``budget`` (None: none in RAM). Small parameters (norms, biases) are the
+    many cheap ones; the big matrices are what the budget cannot hold."""
+    per_param = host_state.HOST_BYTES_PER_PARAM[precision]
+    where, used = {}, 0.0
+    for index, numel in sorted(params, key=lambda pair: (pair[1], pair[0])):
+        cost = per_param * numel
+        fits = budget is not None and used + cost <= budget
+        where[index] = "ram" if fits else "file"
+        used += cost if fits else 0.0
+    return where
+
+
+def page_item(opt: Any, p: torch.Tensor, group: dict, views: dict, step: int,
+              grad: torch.Tensor, out: torch.Tensor, start: int) -> Any:
+    """The UpdateItem of one page: the optimizer's range builder on the page's buffer views,
+    with offset = the page's first element (same rounding bits as an in-RAM step) and the
+    master from the file even where an in-RAM state would alias the parameter."""
+    master = views["master"]
+    item = opt._range_item(p, group, dict(views), step, grad, out, 0)
+    return dataclasses.replace(item, master=master, offset=start)
+
+
+@dataclass(eq=False)
+class StreamJob:
+    """One file-backed parameter's update in a step."""
+
+    p: torch.Tensor
+    index: int
+    group: dict
+    step: int
+    grad: torch.Tensor      # flat host gradient
+    source: torch.Tensor    # p's values, read when the state is new (generation 0)
+
+
+class Tier:
+    """The file-backed state of one optimizer (``opt._tier``)."""
+
+    def __init__(self, opt: Any, config: OffloadConfig, host_budget: Optional[int]) -> None:
+        self.config, self.host_budget = config, host_budget
+        self.dirs: tuple[Path, ...] = tuple(config.paths)
+        self._opt = weakref.ref(opt)
+        self._lock_fds = []
+        for directory in self.dirs:
+            self._lock_fds.append(_lock_dir(directory))
+        self.pool = IOPool(config.queue_depth)
+        self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
+        self._where: dict[torch.Tensor, str] = {}
+        self._files: dict[torch.Tensor, ParamFiles] = {}
+        self._committed: dict[int, tuple[int, int]] = {}   # index -> (generation, step)
+        self._staging: dict[torch.Tensor, torch.Tensor] = {}
+        self._buffers: list[AlignedBuffer] = []
+        self._landed: dict[Any, list] = defaultdict(list)  # async: pieces per job
+        self._first_write_s: Optional[float] = None
+        self._last_commit_s: Optional[float] = None
+        weakref.finalize(self, _close, self.pool, self._lock_fds, self._files)
+
+    # -- placement
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self._opt().precision, self.config.page_size)
+
+    def _place(self) -> None:
+        opt = self._opt()
+        if len(self._where) == len(opt._param_index):
+            return
+        new = [p for p in opt._param_index if p not in self._where]
+        if not new:
+            return
+        used = sum(host_state.HOST_BYTES_PER_PARAM[opt.precision] * p.numel()
+                   for p, where in self._where.items() if where == "ram")
+        budget = None if self.host_budget is None else max(0, int(self.host_budget - used))
+        where = place([(opt._param_index[p], p.numel()) for p in new], opt.precision, budget)
+        for p in new:
+            self._where[p] = where[opt._param_index[p]]
+
+    def holds(self, p: torch.Tensor) -> bool:
+        self._place()
+        return self._where.get(p) == "file"
+
+    def placement(self) -> list[Placed]:
+        self._place()
+        opt = self._opt()
+        per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
+        return [Placed(i, p.numel(), self._where[p], int(per_param * p.numel()))
+                for p, i in sorted(opt._param_index.items(), key=lambda kv: kv[1])]
+
+    def new_state(self, p: torch.Tensor) -> dict:
+        """The in-RAM part of a file-backed state: only ``step``. Files are created (space
+        reserved) here, before any update, so a full drive fails with nothing changed."""
+        with self.lock:
+            if p not in self._files:
+                index = self._opt()._param_index[p]
+                self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
+                self._staging[p] = host_state.host_empty(p.numel(), p.dtype)
+            self._committed.pop(self._files[p].index, None)  # generation 0: read from p
+        return {"step": torch.tensor(0.0)}
+
+    # -- the synchronous step
+
+    def step(self, work: list, backend: str) -> list:
+        """Stream and commit the file-backed parameters of ``work``; return the others."""
+        from .optimizer import _host_grad
+        mine = [w for w in work if self.holds(w[0])]
+        if not mine:
+            return work
+        began = time.perf_counter()
+        self.pool.counters.take()
+        jobs = [StreamJob(p, self._files[p].index, group, step, _host_grad(p),
+                          p.detach().reshape(-1)) for p, group, _, step in mine]
+        host_s = self.commit(jobs, backend)
+        for (p, _, state, step), job in zip(mine, jobs):
+            p.detach().copy_(self._staging[p].view(p.shape))
+            state["step"].fill_(step)
+        read, written, wait_s = self.pool.counters.take()
+        self._opt().last_step_stats = StepStats(
+            host_update_s=host_s, wall_s=time.perf_counter() - began, num_params=len(jobs),
+            io_read_bytes=read, io_write_bytes=written, io_wait_s=wait_s)
+        return [w for w in work if not self.holds(w[0])]
+
+    def commit(self, jobs: list[StreamJob], backend: str) -> float:
+        """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
+        with self.lock:
+            for job in jobs:
+                self._files[job.p].check_sizes()
+            host_s = self._stream(jobs, backend)
+            for files in {id(j.p): self._files[j.p] for j in jobs}.values():
+                files.sync()
+            committed = dict(self._committed)
+            for job in jobs:
+                committed[job.index] = (self._generation(job) + 1, job.step)
+            self._publish(committed)
+            self._committed = committed
+            self._last_commit_s = time.perf_counter()
+        return host_s
+
+    def _generation(self, job: StreamJob) -> int:
+        return self._committed.get(job.index, (0, 0))[0]
+
+    def _publish(self, committed: dict) -> None:
+        opt = self._opt()
+        by_index = {files.index: files for files in self._files.values()}
+        entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
+                       "generation": gen, "step": step}
+                   for i, (gen, step) in committed.items() if i in by_index}
+        publish_manifest(self.dirs[0], self.config.page_size, self.dirs, entries)
+
+    # -- streaming: read k+1 / update k / write k-1
+
+    def _ring(self) -> list[AlignedBuffer]:
+        # Allocated once (per layout); every step reuses them, so no per-step allocation.
+        size = self.layout.record_bytes
+        if not self._buffers or self._buffers[0].nbytes != size:
+            self._buffers = [AlignedBuffer(size) for _ in range(self.config.queue_depth + 1)]
+        return self._buffers
+
+    def _stream(self, jobs: list[StreamJob], backend: str) -> float:
+        pages = [(job, k) for job in jobs for k in range(self._files[job.p].num_pages)]
+        ring = self._ring()
+        ahead = len(ring) - 2          # buffers of page k (updating) and k-1 (writing) stay busy
+        reads: dict[int, Any] = {}
+        writes: list = [None] * len(ring)
+        host_s = 0.0
+        if self._first_write_s is None:
+            self._first_write_s = time.perf_counter()
+        try:
+            for i, (job, k) in enumerate(pages):
+                for j in range(i, min(i + ahead + 1, len(pages))):
+                    if j not in reads:
+                        self.pool.wait(writes[j % len(ring)])  # its buffer is free again
+                        writes[j % len(ring)] = None
+                        reads[j] = self._read_page(*pages[j], ring[j % len(ring)])
+                self.pool.wait(reads.pop(i))
+                began = time.perf_counter()
+                self._update_page(job, k, ring[i % len(ring)], backend)
+                host_s += time.perf_counter() - began
+                files = self._files[job.p]
+                file, offset = files.locate(k, self._generation(job) + 1)
+                writes[i % len(ring)] = self.pool.write(file, ring[i % len(ring)], offset,
+                                                        files.layout.record_bytes)
+        except BaseException:
+            self.pool.drain(list(reads.values()) + writes)  # no request may outlive its buffer
+            raise
+        error = self.pool.drain(writes)
+        if error is not None:
+            raise error
+        return host_s
+
+    def _read_page(self, job: StreamJob, k: int, buffer: AlignedBuffer) -> Any:
+        files = self._files[job.p]
+        generation = self._generation(job)
+        if generation == 0:
+            return self.pool.call(lambda: self._fresh_page(job, k, buffer))
+        file, offset = files.locate(k, generation)
+        return self.pool.read(file, buffer, offset, files.layout.record_bytes)
+
+    def _fresh_page(self, job: StreamJob, k: int, buffer: AlignedBuffer) -> None:
+        # A new state, as state.new_state makes it: master = p's values now, moments zero.
+        start, numel = self._files[job.p].page(k)
+        for key, view in self.layout.views(buffer, numel).items():
+            if key == "master":
+                view.copy_(job.source[start:start + numel])
+            else:
+                view.zero_()
+
+    def _update_page(self, job: StreamJob, k: int, buffer: AlignedBuffer, backend: str) -> None:
+        start, numel = self._files[job.p].page(k)
+        end = start + numel
+        views = self.layout.views(buffer, numel)
+        item = page_item(self._opt(), job.p, job.group, views, job.step, job.grad[start:end],
+                         self._staging[job.p][start:end], start)
+        adamw_update([item], backend)
+
+    # -- asynchronous mode: called by the worker with each batch of landed pieces
+
+    def route(self, batch: list, backend: str) -> tuple[list, list]:
+        """(pieces for the in-RAM update, pieces whose parameter was streamed and committed).
+
+        A file-backed parameter is streamed once all its pieces have landed: its pages need
+        the whole gradient, and one commit per parameter keeps the files consistent."""
+        rest, ready = [], []
+        record = batch[0].job.record
+        for stale in [job for job in self._landed if job.record is not record]:
+            del self._landed[stale]  # pieces of a step that failed before they were all landed
+        for piece in batch:
+            job = piece.job
+            if not self.holds(job.p):
+                rest.append(piece)
+                continue
+            self._landed[job].append(piece)
+            if len(self._landed[job]) == job.pieces_left:
+                ready.append(job)
+        if not ready:
+            return rest, []
+        try:
+            self._commit_async(ready, backend)
+        finally:
+            done = [piece for job in ready for piece in self._landed.pop(job)]
+        return rest, done
+
+    def _commit_async(self, ready: list, backend: str) -> None:
+        opt = self._opt()
+        for job in ready:
+            if job.state is None:
+                job.state = opt.state[job.p] = self.new_state(job.p)
+        jobs = [StreamJob(job.p, job.index, job.group, job.step, job.grad,
+                          job.source if job.source is not None else job.p.detach().reshape(-1))
+                for job in ready]
+        host_s = self.commit(jobs, backend)
+        for job in ready:
+            staged = self._staging[job.p]
+            if job.out is not None:
+                job.out.copy_(staged)  # the transport sends it on once the pieces are done
+            else:
+                job.p.detach().copy_(staged.view(job.p.shape))
+        with ready[0].record.lock:
+            ready[0].record.host_update_s += host_s
+
+    def take_io(self, stats: StepStats) -> None:
+        """Add the I/O since the last take to ``stats`` (async mode, at step_sync)."""
+        read, written, wait_s = self.pool.counters.take()
+        stats.io_read_bytes += read
+        stats.io_write_bytes += written
+        stats.io_wait_s += wait_s
+
+    # -- checkpoints
+
+    def fill_state_dict(self, saved: dict) -> None:
+        """Replace each file-backed entry of ``saved['state']`` by its committed tensors.
+
+        Holding the lock waits for any step still writing (the checkpoint race of DeepSpeed
+        #7549): a checkpoint is always of committed generations, never of pages in flight."""
+        with self.lock:
+            buffer = self._ring()[0]
+            for p, files in self._files.items():
+                entry = saved["state"].get(files.index)
+                if entry is None:
+                    continue
+                generation, step = self._committed.get(files.index, (0, 0))
+                if generation == 0:
+                    fresh = host_state.new_state(p.detach(), self._opt().precision, alias=False)
+                    saved["state"][files.index] = {**fresh, "step": entry["step"]}
+                    continue
+                loaded = read_state(files, buffer, generation, step)
+                saved["state"][files.index] = {**loaded, "step": entry["step"]}
+
+    def adopt(self, new_state: dict) -> dict:
+        """load_state_dict: write the file-placed states into their files and commit them;
+        return new_state with those entries reduced to ``step``. Raises before any change."""
+        with self.lock:
+            written = {}
+            for p, state in new_state.items():
+                if not self.holds(p):
+                    continue
+                if p not in self._files:
+                    self.new_state(p)
+                files = self._files[p]
+                generation = self._committed.get(files.index, (0, 0))[0] + 1
+                self._write_state(files, state, generation)
+                written[p] = (files.index, generation, int(state["step"].item()))
+            for p in written:
+                self._files[p].sync()
+            # Parameters the checkpoint has no state for start fresh, as in torch.
+            kept = {self._files[p].index for p in new_state if p in self._files}
+            committed = {i: v for i, v in self._committed.items() if i in kept}
+            committed.update({i: (gen, step) for i, gen, step in written.values()})
+            self._publish(committed)
+            self._committed = committed
+        return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
+
+    def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
+        buffer = self._ring()[0]
+        for k in range(files.num_pages):
+            start, numel = files.page(k)
+            for key, view in files.layout.views(buffer, numel).items():
+                first = start // FP8_BLOCK if key.endswith("_scale") else start
+                view.copy_(state[key].reshape(-1)[first:first + view.numel()])
+            file, offset = files.locate(k, generation)
+            self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
+
+    # -- endurance
+
+    @property
+    def bytes_written(self) -> int:
+        """Every byte this tier has written to its drives: the endurance cost."""
+        return self.pool.counters.total_written
+
+    def drive_writes_per_day(self, capacity_bytes: int, step_s: Optional[float] = None) -> float:
+        """Drive writes per day per drive: at one step every ``step_s`` seconds, or (None) at
+        the rate measured from the first page read to the last commit."""
+        if step_s is not None:
+            per_step = sum(f.num_pages * f.layout.record_bytes for f in self._files.values())
+            rate = per_step / step_s
+        elif self._first_write_s is None or self._last_commit_s is None:
+            return 0.0
+        else:
+            rate = self.bytes_written / max(self._last_commit_s - self._first_write_s, 1e-9)
+        return rate * 86400.0 / (capacity_bytes * len(self.dirs))
+
+
+def _close(pool: IOPool, lock_fds: list, files: dict) -> None:
+    pool.close()
+    for param_files in files.values():
+        param_files.close()
+    for fd in lock_fds:
+        os.close(fd)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import os
 import threading
 import time
 import weakref
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -26,9 +28,9 @@ import torch
 
 from . import state as host_state
 from .codecs import FP8_BLOCK
-from .functional import adamw_update
-from .nvme_io import AlignedBuffer, IOPool, TierError, describe_os_error
-from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state
+from .nvme_io import IOPool, describe_os_error
+from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state, sync_directory
+from .nvme_stream import PageStream, StreamJob
 from .stats import StepStats
 
 PathArg = Union[str, os.PathLike]
@@ -41,7 +43,7 @@ class OffloadConfig:
 
     paths: Sequence[PathArg]
     page_size: int = 1 << 18
-    queue_depth: int = 4
+    queue_depth: int = 8
 
 
 @dataclass(frozen=True)
@@ -132,28 +134,6 @@ def place(params: Sequence[tuple[int, int]], precision: str, budget: Optional[in
     return where
 
 
-def page_item(opt: Any, p: torch.Tensor, group: dict, views: dict, step: int,
-              grad: torch.Tensor, out: torch.Tensor, start: int) -> Any:
-    """The UpdateItem of one page: the optimizer's range builder on the page's buffer views,
-    with offset = the page's first element (same rounding bits as an in-RAM step) and the
-    master from the file even where an in-RAM state would alias the parameter."""
-    master = views["master"]
-    item = opt._range_item(p, group, dict(views), step, grad, out, 0)
-    return dataclasses.replace(item, master=master, offset=start)
-
-
-@dataclass(eq=False)
-class StreamJob:
-    """One file-backed parameter's update in a step."""
-
-    p: torch.Tensor
-    index: int
-    group: dict
-    step: int
-    grad: torch.Tensor      # flat host gradient
-    source: torch.Tensor    # p's values, read when the state is new (generation 0)
-
-
 class Tier:
     """The file-backed state of one optimizer (``opt._tier``)."""
 
@@ -170,10 +150,10 @@ class Tier:
         self._files: dict[torch.Tensor, ParamFiles] = {}
         self._committed: dict[int, tuple[int, int]] = {}   # index -> (generation, step)
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
-        self._buffers: list[AlignedBuffer] = []
+        self.stream = PageStream(self.pool)
         self._landed: dict[Any, list] = defaultdict(list)  # async: pieces per job
-        self._first_write_s: Optional[float] = None
         self._last_commit_s: Optional[float] = None
+        self._renamed: Optional[Future] = None  # the directory fsync of the last publish
         weakref.finalize(self, _close, self.pool, self._lock_fds, self._files)
 
     # -- placement
@@ -228,10 +208,10 @@ class Tier:
             return work
         began = time.perf_counter()
         self.pool.counters.take()
-        jobs = [StreamJob(p, self._files[p].index, group, step, _host_grad(p),
-                          p.detach().reshape(-1)) for p, group, _, step in mine]
+        jobs = [self._job(p, group, step, _host_grad(p), p.detach().reshape(-1))
+                for p, group, _, step in mine]
         host_s = self.commit(jobs, backend)
-        for (p, _, state, step), job in zip(mine, jobs):
+        for p, _, state, step in mine:
             p.detach().copy_(self._staging[p].view(p.shape))
             state["step"].fill_(step)
         read, written, wait_s = self.pool.counters.take()
@@ -240,24 +220,25 @@ class Tier:
             io_read_bytes=read, io_write_bytes=written, io_wait_s=wait_s)
         return [w for w in work if not self.holds(w[0])]
 
+    def _job(self, p: torch.Tensor, group: dict, step: int, grad: torch.Tensor,
+             source: torch.Tensor) -> StreamJob:
+        return StreamJob(p, group, step, grad, source, self._files[p], self._staging[p], 0)
+
     def commit(self, jobs: list[StreamJob], backend: str) -> float:
         """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
         with self.lock:
             for job in jobs:
-                self._files[job.p].check_sizes()
-            host_s = self._stream(jobs, backend)
-            for files in {id(j.p): self._files[j.p] for j in jobs}.values():
-                files.sync()
+                job.files.check_sizes()
+                job.generation = self._committed.get(job.files.index, (0, 0))[0]
+            host_s = self.stream.run(self._opt(), jobs, backend, self._renamed)
+            self._sync(jobs)
             committed = dict(self._committed)
             for job in jobs:
-                committed[job.index] = (self._generation(job) + 1, job.step)
+                committed[job.files.index] = (job.generation + 1, job.step)
             self._publish(committed)
             self._committed = committed
             self._last_commit_s = time.perf_counter()
         return host_s
-
-    def _generation(self, job: StreamJob) -> int:
-        return self._committed.get(job.index, (0, 0))[0]
 
     def _publish(self, committed: dict) -> None:
         opt = self._opt()
@@ -265,73 +246,17 @@ class Tier:
         entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
                        "generation": gen, "step": step}
                    for i, (gen, step) in committed.items() if i in by_index}
+        self.pool.wait(self._renamed)
         publish_manifest(self.dirs[0], self.config.page_size, self.dirs, entries)
+        # The rename becomes durable in the background; the next write to a slot waits for it.
+        self._renamed = self.pool.call(functools.partial(sync_directory, self.dirs[0]))
 
-    # -- streaming: read k+1 / update k / write k-1
-
-    def _ring(self) -> list[AlignedBuffer]:
-        # Allocated once (per layout); every step reuses them, so no per-step allocation.
-        size = self.layout.record_bytes
-        if not self._buffers or self._buffers[0].nbytes != size:
-            self._buffers = [AlignedBuffer(size) for _ in range(self.config.queue_depth + 1)]
-        return self._buffers
-
-    def _stream(self, jobs: list[StreamJob], backend: str) -> float:
-        pages = [(job, k) for job in jobs for k in range(self._files[job.p].num_pages)]
-        ring = self._ring()
-        ahead = len(ring) - 2          # buffers of page k (updating) and k-1 (writing) stay busy
-        reads: dict[int, Any] = {}
-        writes: list = [None] * len(ring)
-        host_s = 0.0
-        if self._first_write_s is None:
-            self._first_write_s = time.perf_counter()
-        try:
-            for i, (job, k) in enumerate(pages):
-                for j in range(i, min(i + ahead + 1, len(pages))):
-                    if j not in reads:
-                        self.pool.wait(writes[j % len(ring)])  # its buffer is free again
-                        writes[j % len(ring)] = None
-                        reads[j] = self._read_page(*pages[j], ring[j % len(ring)])
-                self.pool.wait(reads.pop(i))
-                began = time.perf_counter()
-                self._update_page(job, k, ring[i % len(ring)], backend)
-                host_s += time.perf_counter() - began
-                files = self._files[job.p]
-                file, offset = files.locate(k, self._generation(job) + 1)
-                writes[i % len(ring)] = self.pool.write(file, ring[i % len(ring)], offset,
-                                                        files.layout.record_bytes)
-        except BaseException:
-            self.pool.drain(list(reads.values()) + writes)  # no request may outlive its buffer
-            raise
-        error = self.pool.drain(writes)
+    def _sync(self, jobs: list[StreamJob]) -> None:
+        """fdatasync every file the jobs wrote, all at once (one device flush, not one each)."""
+        files = {id(f): f for job in jobs for f in job.files.files}.values()
+        error = self.pool.drain([self.pool.call(f.sync) for f in files])
         if error is not None:
             raise error
-        return host_s
-
-    def _read_page(self, job: StreamJob, k: int, buffer: AlignedBuffer) -> Any:
-        files = self._files[job.p]
-        generation = self._generation(job)
-        if generation == 0:
-            return self.pool.call(lambda: self._fresh_page(job, k, buffer))
-        file, offset = files.locate(k, generation)
-        return self.pool.read(file, buffer, offset, files.layout.record_bytes)
-
-    def _fresh_page(self, job: StreamJob, k: int, buffer: AlignedBuffer) -> None:
-        # A new state, as state.new_state makes it: master = p's values now, moments zero.
-        start, numel = self._files[job.p].page(k)
-        for key, view in self.layout.views(buffer, numel).items():
-            if key == "master":
-                view.copy_(job.source[start:start + numel])
-            else:
-                view.zero_()
-
-    def _update_page(self, job: StreamJob, k: int, buffer: AlignedBuffer, backend: str) -> None:
-        start, numel = self._files[job.p].page(k)
-        end = start + numel
-        views = self.layout.views(buffer, numel)
-        item = page_item(self._opt(), job.p, job.group, views, job.step, job.grad[start:end],
-                         self._staging[job.p][start:end], start)
-        adamw_update([item], backend)
 
     # -- asynchronous mode: called by the worker with each batch of landed pieces
 
@@ -365,7 +290,7 @@ class Tier:
         for job in ready:
             if job.state is None:
                 job.state = opt.state[job.p] = self.new_state(job.p)
-        jobs = [StreamJob(job.p, job.index, job.group, job.step, job.grad,
+        jobs = [self._job(job.p, job.group, job.step, job.grad,
                           job.source if job.source is not None else job.p.detach().reshape(-1))
                 for job in ready]
         host_s = self.commit(jobs, backend)
@@ -393,7 +318,7 @@ class Tier:
         Holding the lock waits for any step still writing (the checkpoint race of DeepSpeed
         #7549): a checkpoint is always of committed generations, never of pages in flight."""
         with self.lock:
-            buffer = self._ring()[0]
+            buffer = self.stream.ring(self.layout)[0]
             for p, files in self._files.items():
                 entry = saved["state"].get(files.index)
                 if entry is None:
@@ -410,6 +335,7 @@ class Tier:
         """load_state_dict: write the file-placed states into their files and commit them;
         return new_state with those entries reduced to ``step``. Raises before any change."""
         with self.lock:
+            self.pool.wait(self._renamed)  # the slots written below may be the committed ones
             written = {}
             for p, state in new_state.items():
                 if not self.holds(p):
@@ -431,7 +357,7 @@ class Tier:
         return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
 
     def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
-        buffer = self._ring()[0]
+        buffer = self.stream.ring(self.layout)[0]
         for k in range(files.num_pages):
             start, numel = files.page(k)
             for key, view in files.layout.views(buffer, numel).items():
@@ -453,10 +379,11 @@ class Tier:
         if step_s is not None:
             per_step = sum(f.num_pages * f.layout.record_bytes for f in self._files.values())
             rate = per_step / step_s
-        elif self._first_write_s is None or self._last_commit_s is None:
+        elif self.stream.first_write_s is None or self._last_commit_s is None:
             return 0.0
         else:
-            rate = self.bytes_written / max(self._last_commit_s - self._first_write_s, 1e-9)
+            elapsed = self._last_commit_s - self.stream.first_write_s
+            rate = self.bytes_written / max(elapsed, 1e-9)
         return rate * 86400.0 / (capacity_bytes * len(self.dirs))
 
 

@@ -43,11 +43,18 @@ class AlignedBuffer:
         self._map = mmap.mmap(-1, self.nbytes)
         self.memory = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._views: dict = {}
+
+    def cached_views(self, key: object, make: Callable[["AlignedBuffer"], dict]) -> dict:
+        """Views made once per layout: a page's tensors are then one slice each, not three ops."""
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = make(self)
+        return views
 
     def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         """``count`` elements of ``dtype`` starting ``offset`` bytes in."""
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.tensor[offset:offset + count * size].view(dtype)
+        return self.tensor[offset:offset + count * dtype.itemsize].view(dtype)
 
 
 def _fix_for(err: int) -> str:
@@ -223,29 +230,6 @@ class IOPool:
         return first
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def raw_floor(path: Path, nbytes: int, block: int, queue_depth: int) -> tuple[float, float]:
-    """Seconds to read and then write ``nbytes`` of ``path`` in ``block``-byte O_DIRECT requests,
-    ``queue_depth`` in flight: the floor a streaming step over the same bytes cannot beat."""
-    file = DataFile(path, align_up(nbytes))
-    pool = IOPool(queue_depth)
-    buffers = [AlignedBuffer(block) for _ in range(queue_depth)]
-    offsets = range(0, file.nbytes, block)
-    try:
-        timings = []
-        for op in (pool.read, pool.write):
-            began = time.perf_counter()
-            futures = [op(file, buffers[i % queue_depth], off, min(block, file.nbytes - off))
-                       for i, off in enumerate(offsets)]
-            error = pool.drain(futures)
-            if error is not None:
-                raise error
-            if op == pool.write:
-                file.sync()
-            timings.append(time.perf_counter() - began)
-        return timings[0], timings[1]
-    finally:
-        pool.close()
-        file.close()
+        # A pool thread that drops the last reference to the tier must not join itself.
+        inside = threading.current_thread().name.startswith("adambridge-io")
+        self._pool.shutdown(wait=not inside)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -36,32 +37,40 @@ class PageLayout:
     page_size: int
 
     @property
-    def parts(self) -> list[tuple[str, torch.dtype, int]]:
-        """(state key, dtype, elements per full page) in record order."""
-        m_dtype, v_dtype = MOMENT_DTYPES[self.precision]
-        parts = [("master", torch.float32, self.page_size), ("exp_avg", m_dtype, self.page_size),
-                 ("exp_avg_sq", v_dtype, self.page_size)]
-        if self.precision == "fp8":
-            blocks = self.page_size // FP8_BLOCK
-            parts += [("exp_avg_scale", torch.float32, blocks),
-                      ("exp_avg_sq_scale", torch.float32, blocks)]
-        return parts
+    def parts(self) -> tuple[tuple[str, torch.dtype, int, int], ...]:
+        """(state key, dtype, elements per full page, byte offset) in record order."""
+        return _parts(self.precision, self.page_size)
 
     @property
     def record_bytes(self) -> int:
-        total = sum(count * torch.empty((), dtype=dtype).element_size()
-                    for _, dtype, count in self.parts)
-        return align_up(total)
+        key, dtype, count, offset = self.parts[-1]
+        return align_up(offset + count * dtype.itemsize)
 
     def views(self, buffer: AlignedBuffer, numel: int) -> dict[str, torch.Tensor]:
         """The state of a page of ``numel`` elements, as views into ``buffer``."""
-        views, offset = {}, 0
-        for key, dtype, count in self.parts:
-            size = torch.empty((), dtype=dtype).element_size()
-            used = numel if count == self.page_size else codecs.fp8_num_blocks(numel)
-            views[key] = buffer.view(offset, used, dtype)
-            offset += count * size
-        return views
+        full = buffer.cached_views(self, self._full_views)
+        blocks = codecs.fp8_num_blocks(numel)
+        return {key: view[:blocks if key.endswith("_scale") else numel]
+                for key, view in full.items()}
+
+    def _full_views(self, buffer: AlignedBuffer) -> dict[str, torch.Tensor]:
+        return {key: buffer.view(offset, count, dtype) for key, dtype, count, offset in self.parts}
+
+
+@lru_cache(maxsize=None)
+def _parts(precision: str, page_size: int) -> tuple:
+    m_dtype, v_dtype = MOMENT_DTYPES[precision]
+    parts = [("master", torch.float32, page_size), ("exp_avg", m_dtype, page_size),
+             ("exp_avg_sq", v_dtype, page_size)]
+    if precision == "fp8":
+        blocks = page_size // FP8_BLOCK
+        parts += [("exp_avg_scale", torch.float32, blocks),
+                  ("exp_avg_sq_scale", torch.float32, blocks)]
+    placed, offset = [], 0
+    for key, dtype, count in parts:
+        placed.append((key, dtype, count, offset))
+        offset += count * dtype.itemsize  # page_size is a multiple of 128: offsets stay aligned
+    return tuple(placed)
 
 
 class ParamFiles:
@@ -108,7 +117,9 @@ class ParamFiles:
 
 def publish_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
                      entries: dict[int, dict]) -> None:
-    """Atomically replace the manifest: temp file, fsync, rename, fsync the directory."""
+    """Replace the manifest atomically: temp file, fsync, rename. The rename is durable once
+    ``sync_directory`` has run; the caller must do that before overwriting any page the old
+    manifest names (the tier does it before the next step's first write)."""
     path = directory / MANIFEST
     temp = directory / (MANIFEST + ".tmp")
     body = json.dumps({"format": FORMAT, "page_size": page_size, "dirs": [str(d) for d in dirs],
@@ -117,15 +128,21 @@ def publish_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
         with open(temp, "w") as handle:
             handle.write(body)
             handle.flush()
-            os.fsync(handle.fileno())
+            os.fdatasync(handle.fileno())
         os.replace(temp, path)
+    except OSError as exc:
+        raise TierError(describe_os_error("publishing the manifest", path, exc)) from None
+
+
+def sync_directory(directory: Path) -> None:
+    try:
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)  # the rename itself is durable only once the directory is synced
+            os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
     except OSError as exc:
-        raise TierError(describe_os_error("publishing the manifest", path, exc)) from None
+        raise TierError(describe_os_error("syncing the directory", directory, exc)) from None
 
 
 def read_manifest(directory: Path) -> Optional[dict]:
@@ -170,7 +187,7 @@ def read_state(files: ParamFiles, buffer: AlignedBuffer, generation: int, step: 
     files.check_sizes()
     layout = files.layout
     state = {"step": torch.tensor(float(step))}
-    for key, dtype, count in layout.parts:
+    for key, dtype, count, _ in layout.parts:
         total = files.numel if count == layout.page_size else codecs.fp8_num_blocks(files.numel)
         state[key] = torch.empty(total, dtype=dtype)
     for k in range(files.num_pages):

@@ -197,12 +197,12 @@ def test_tier_stats_bytes_and_endurance(tmp_path):
 
 def test_tier_reuses_its_buffers_across_steps(tmp_path):
     params, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, budget=0))
-    ring = [id(b) for b in opt._tier._buffers]
+    ring = [id(b) for b in opt._tier.stream.buffers]
     assert len(ring) == 3  # queue_depth 2 + 1: read k+1, update k, write k-1
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    assert [id(b) for b in opt._tier._buffers] == ring
+    assert [id(b) for b in opt._tier.stream.buffers] == ring
 
 
 def test_tier_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -130,6 +130,8 @@ def cmd_info(argv: Sequence[str]) -> int:
     _print_environment()
     native_ok = _print_native()
     _print_topology()
+    from .nvme_io import describe_direct_io  # the NVMe tier (issue 14)
+    _field("nvme tier", describe_direct_io(os.environ.get("TMPDIR", "/tmp")))
     ok = native_ok and _self_check()
     _field("result", "PASS" if ok else "FAIL")
     return 0 if ok else 1

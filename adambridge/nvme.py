@@ -59,7 +59,8 @@ class Placed:
 # --------------------------------------------------------------------------- arguments
 
 
-def check_offload(offload_dir: Any, host_budget: Any, autotune_config: Any) -> Optional[OffloadConfig]:
+def check_offload(offload_dir: Any, host_budget: Any,
+                  autotune_config: Any) -> Optional[OffloadConfig]:
     """Validate offload_dir and host_budget together; None means no tier."""
     if offload_dir is None:
         if host_budget is not None:
@@ -76,7 +77,9 @@ def check_offload(offload_dir: Any, host_budget: Any, autotune_config: Any) -> O
         raise ValueError("offload_dir cannot be combined with autotune precision step-down "
                          "(file-backed state keeps one precision); pass "
                          "autotune=AutoTuneConfig(tune_precision=False)")
-    return dataclasses.replace(config, paths=tuple(Path(p) for p in config.paths))
+    # Absolute, so the manifest's directory list still resolves after a chdir (read_committed).
+    paths = tuple(Path(os.path.abspath(p)) for p in config.paths)
+    return dataclasses.replace(config, paths=paths)
 
 
 def _check_config(config: OffloadConfig) -> None:

@@ -233,3 +233,24 @@ class IOPool:
         # A pool thread that drops the last reference to the tier must not join itself.
         inside = threading.current_thread().name.startswith("adambridge-io")
         self._pool.shutdown(wait=not inside)
+
+
+def describe_direct_io(directory: str) -> str:
+    """One line for ``python -m adambridge info``: does O_DIRECT work in ``directory``?"""
+    path = Path(directory) / f".adambridge-probe-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_DIRECT, 0o600)
+    except OSError as exc:
+        return f"O_DIRECT refused in {directory} ({exc.strerror}): an offload_dir there is buffered"
+    try:
+        buffer = AlignedBuffer(ALIGN)
+        os.pwritev(fd, [buffer.memory], 0)
+        os.preadv(fd, [buffer.memory], 0)
+    except OSError as exc:
+        return f"O_DIRECT I/O fails in {directory} ({exc.strerror}): pass another offload_dir"
+    finally:
+        os.close(fd)
+        path.unlink()
+    return (f"O_DIRECT works in {directory} (offload_dir=...; I/O by a pool of pread/pwrite "
+            f"threads; opt.placement() shows what goes there)")
+

@@ -129,7 +129,8 @@ def test_tier_async_equals_ram_sync_bit_for_bit(config, backend, tmp_path):
     ram_params, ram_opt = _train_model(config, backend, hooks=False)
     tier_params, tier_opt = _train_model(config, backend, hooks=True,
                                          **_tier_args(tmp_path, budget=1200))
-    assert [p.where for p in tier_opt.placement()] == ["file", "file", "ram", "ram", "ram"]  # wt, w1.weight
+    # wt and w1.weight in files; w1.bias, w2.weight and w2.bias in RAM.
+    assert [p.where for p in tier_opt.placement()] == ["file", "file", "ram", "ram", "ram"]
     _assert_same(ram_params, ram_opt, tier_params, tier_opt)
 
 
@@ -222,6 +223,21 @@ def test_tier_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch, 
     assert not any(f.direct for files in tier_opt._tier._files.values() for f in files.files)
     ram_params, ram_opt = _run(CONFIGS[1], "torch", 2)
     _assert_same(ram_params, ram_opt, tier_params, tier_opt)
+
+
+def test_describe_direct_io_says_whether_o_direct_works(tmp_path, monkeypatch):
+    assert nvme_io.describe_direct_io(str(tmp_path)).startswith(f"O_DIRECT works in {tmp_path}")
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme_io.os, "open", no_direct)
+    assert nvme_io.describe_direct_io(str(tmp_path)) == (
+        f"O_DIRECT refused in {tmp_path} (Invalid argument): an offload_dir there is buffered")
+    assert os.listdir(tmp_path) == []
 
 
 def test_tier_files_use_o_direct_where_allowed(tmp_path):

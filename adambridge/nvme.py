@@ -197,7 +197,6 @@ class Tier:
             if p not in self._files:
                 index = self._opt()._param_index[p]
                 self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
-                self._staging[p] = host_state.host_empty(p.numel(), p.dtype)
             self._committed.pop(self._files[p].index, None)  # generation 0: read from p
         return {"step": torch.tensor(0.0)}
 
@@ -215,7 +214,7 @@ class Tier:
                 for p, group, _, step in mine]
         host_s = self.commit(jobs, backend)
         for p, _, state, step in mine:
-            p.detach().copy_(self._staging[p].view(p.shape))
+            p.detach().copy_(self._staged(p).view(p.shape))
             state["step"].fill_(step)
         read, written, wait_s = self.pool.counters.take()
         self._opt().last_step_stats = StepStats(
@@ -224,8 +223,17 @@ class Tier:
         return [w for w in work if not self.holds(w[0])]
 
     def _job(self, p: torch.Tensor, group: dict, step: int, grad: torch.Tensor,
-             source: torch.Tensor) -> StreamJob:
-        return StreamJob(p, group, step, grad, source, self._files[p], self._staging[p], 0)
+             source: torch.Tensor, out: Optional[torch.Tensor] = None) -> StreamJob:
+        staging = self._staged(p) if out is None else out
+        return StreamJob(p, group, step, grad, source, self._files[p], staging, 0)
+
+    def _staged(self, p: torch.Tensor) -> torch.Tensor:
+        """Where the kernel writes p's new values until the commit: p itself must keep the
+        old ones until then, so a failed step leaves it untouched. Allocated once."""
+        staging = self._staging.get(p)
+        if staging is None:
+            staging = self._staging[p] = host_state.host_empty(p.numel(), p.dtype)
+        return staging
 
     def commit(self, jobs: list[StreamJob], backend: str) -> float:
         """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
@@ -294,15 +302,16 @@ class Tier:
             if job.state is None:
                 job.state = opt.state[job.p] = self.new_state(job.p)
         jobs = [self._job(job.p, job.group, job.step, job.grad,
-                          job.source if job.source is not None else job.p.detach().reshape(-1))
+                          job.source if job.source is not None else job.p.detach().reshape(-1),
+                          job.out if _separate(job.out, job.p) else None)
                 for job in ready]
         host_s = self.commit(jobs, backend)
-        for job in ready:
-            staged = self._staging[job.p]
-            if job.out is not None:
-                job.out.copy_(staged)  # the transport sends it on once the pieces are done
-            else:
-                job.p.detach().copy_(staged.view(job.p.shape))
+        for job, streamed in zip(ready, jobs):
+            if job.out is None:
+                job.p.detach().copy_(streamed.staging.view(job.p.shape))
+            elif streamed.staging is not job.out:
+                job.out.copy_(streamed.staging)
+            # else: the kernel wrote the transport's buffer, sent once the pieces are done
         with ready[0].record.lock:
             ready[0].record.host_update_s += host_s
 
@@ -388,6 +397,13 @@ class Tier:
             elapsed = self._last_commit_s - self.stream.first_write_s
             rate = self.bytes_written / max(elapsed, 1e-9)
         return rate * 86400.0 / (capacity_bytes * len(self.dirs))
+
+
+def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """A transport buffer that is not p's own storage (a pinned copy for a CUDA parameter,
+    a buffer for a non-contiguous one) can take the new values directly: it reaches p only
+    when the worker sends it, after the commit."""
+    return out is not None and out.data_ptr() != p.data_ptr()
 
 
 def _close(pool: IOPool, lock_fds: list, files: dict) -> None:

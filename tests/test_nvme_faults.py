@@ -272,3 +272,30 @@ def test_tier_state_dict_waits_for_in_flight_writes(tmp_path, monkeypatch):
         assert int(saved[i]["step"]) == 2
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(saved[i][key].float(), ram_state[i][key].reshape(-1).float())
+
+
+def test_tier_async_fault_raises_at_step_sync_and_keeps_previous_step(tmp_path, monkeypatch):
+    params = _params()
+    dirs = _drives(tmp_path)
+    opt = AdamBridge(params, lr=1e-2, precision="bf16", backend="torch", host_budget=BUDGET,
+                     offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2),
+                     chunk_size=256, small_param_threshold=64)
+    opt.attach_hooks(nn.ParameterList(params))
+
+    def backward(step: int) -> None:  # linear in each parameter: its gradient is _grads()
+        sum((p * g).sum() for p, g in zip(params, _grads(params, step))).backward()
+
+    for step in (1, 2):
+        backward(step)
+        opt.step_sync()
+    values = [p.detach().clone() for p in params]
+    monkeypatch.setattr(nvme_io, "_pwritev", _failing(nvme_io._pwritev, 3,
+                                                      OSError(errno.EIO, "Input/output error")))
+    backward(3)
+    with pytest.raises(RuntimeError, match=r"the update worker for cpu failed \(TierError: NVMe "
+                                           r"tier: writing .*adambridge-p\d\.bin failed \(Input/"
+                                           r"output error\).*no parameter or optimizer state"):
+        opt.step_sync()
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert [int(s["step"]) for s in opt.state.values()] == [2, 2, 2]
+    _assert_committed_equals(dirs[0], _ram_run(2)[1], 2)

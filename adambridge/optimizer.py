@@ -97,6 +97,11 @@ class AdamBridge(torch.optim.Optimizer):
             return f"native/{loader.isa_name()}"
         return "torch"
 
+    @property
+    def nvme_tier(self) -> Optional["nvme.Tier"]:
+        """The NVMe tier (``offload_dir``): bytes_written, drive_writes_per_day(); else None."""
+        return self._tier
+
     def placement(self) -> list:
         """Where each parameter's state lives: a list of nvme.Placed (index, numel, 'ram' or
         'file', state_bytes) in state_dict order; all 'ram' without ``offload_dir``."""

@@ -173,6 +173,7 @@ def _measure(args, directory: Path) -> dict:
                    queue_depth=args.queue_depth, record_bytes=layout.record_bytes,
                    bytes_each_way=nbytes, dir=str(args.dir), cpus=os.cpu_count(),
                    platform=platform.platform(), torch=torch.__version__,
+                   load_average=os.getloadavg()[0],
                    backend=tier.backend, direct=all(f.direct for pf in tier._tier._files.values()
                                                     for f in pf.files)),
         seconds=med,
@@ -190,7 +191,7 @@ def report(result: dict) -> None:
           f"{setup['page_size']} elements ({setup['record_bytes'] >> 10} KiB records), queue "
           f"depth {setup['queue_depth']}, {setup['bytes_each_way'] / 1e6:.0f} MB read + written "
           f"per step, O_DIRECT {'yes' if setup['direct'] else 'no'}, dir {setup['dir']}, "
-          f"{setup['backend']}, {setup['cpus']} cpus")
+          f"{setup['backend']}, {setup['cpus']} cpus, load average {setup['load_average']:.1f}")
     print("| variant | ms | GB/s (read+write) |\n|---|---:|---:|")
     nbytes = 2 * setup["bytes_each_way"]
     rows = [("in-RAM step", s["ram"]), ("tier step", s["tier"]),

@@ -144,9 +144,14 @@ class Tier:
         self.config, self.host_budget = config, host_budget
         self.dirs: tuple[Path, ...] = tuple(config.paths)
         self._opt = weakref.ref(opt)
-        self._lock_fds = []
-        for directory in self.dirs:
-            self._lock_fds.append(_lock_dir(directory))
+        self._lock_fds: list[int] = []
+        try:
+            for directory in self.dirs:
+                self._lock_fds.append(_lock_dir(directory))
+        except ValueError:
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.pool = IOPool(config.queue_depth)
         self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
         self._where: dict[torch.Tensor, str] = {}
@@ -340,8 +345,9 @@ class Tier:
                     fresh = host_state.new_state(p.detach(), self._opt().precision, alias=False)
                     saved["state"][files.index] = {**fresh, "step": entry["step"]}
                     continue
-                loaded = read_state(files, buffer, generation, step)
-                saved["state"][files.index] = {**loaded, "step": entry["step"]}
+                # The committed step, not state["step"]: a step that has just committed
+                # advances that only after releasing the lock.
+                saved["state"][files.index] = read_state(files, buffer, generation, step)
 
     def adopt(self, new_state: dict) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
@@ -386,8 +392,9 @@ class Tier:
         return self.pool.counters.total_written
 
     def drive_writes_per_day(self, capacity_bytes: int, step_s: Optional[float] = None) -> float:
-        """Drive writes per day per drive: at one step every ``step_s`` seconds, or (None) at
-        the rate measured from the first page read to the last commit."""
+        """Drive writes per day per drive: at one step (every file-backed page rewritten)
+        every ``step_s`` seconds, or (None) at the rate measured from the first page read to
+        the last commit. The drives share the writes evenly (pages are striped)."""
         if step_s is not None:
             per_step = sum(f.num_pages * f.layout.record_bytes for f in self._files.values())
             rate = per_step / step_s

@@ -281,6 +281,11 @@ def test_tier_directory_is_locked_to_one_optimizer(tmp_path):
     first = AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path)
     with pytest.raises(ValueError, match=r"is in use by another optimizer; give each"):
         AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path)
+    free = tmp_path / "free"
+    free.mkdir()
+    with pytest.raises(ValueError, match=r"in use by another optimizer"):
+        AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=[free, tmp_path])
+    AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=free)  # its lock was let go
     del first
     gc.collect()  # the lock goes with the optimizer
     AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path,

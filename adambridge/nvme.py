@@ -12,7 +12,6 @@ with the parameters, the RAM state and the committed files exactly as before the
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import os
 import threading
@@ -28,7 +27,7 @@ import torch
 
 from . import state as host_state
 from .codecs import FP8_BLOCK
-from .nvme_io import IOPool, describe_os_error
+from .nvme_io import IOPool, lock_directory
 from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state, sync_directory
 from .nvme_stream import PageStream, StreamJob
 from .stats import StepStats
@@ -103,23 +102,6 @@ def _check_config(config: OffloadConfig) -> None:
                          f"and one write in flight)")
 
 
-def _lock_dir(directory: Path) -> int:
-    """An exclusive lock, so two optimizers never share a directory's files; also proves
-    the directory writable at construction rather than at the first step."""
-    path = directory / "adambridge.lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise ValueError(describe_os_error("creating", path, exc)) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
-                         f"give each optimizer its own directory") from None
-    return fd
-
-
 # --------------------------------------------------------------------------- placement
 
 
@@ -147,7 +129,7 @@ class Tier:
         self._lock_fds: list[int] = []
         try:
             for directory in self.dirs:
-                self._lock_fds.append(_lock_dir(directory))
+                self._lock_fds.append(lock_directory(directory))
         except ValueError:
             for fd in self._lock_fds:
                 os.close(fd)

@@ -10,6 +10,7 @@ with one warning per directory.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -141,6 +142,23 @@ def _open(path: Path) -> tuple[int, bool]:
 # The two system calls, module-level so tests can inject faults (EIO, ENOSPC, short reads).
 _preadv: Callable[[int, list, int], int] = os.preadv
 _pwritev: Callable[[int, list, int], int] = os.pwritev
+
+
+def lock_directory(directory: Path) -> int:
+    """An exclusive lock, so two optimizers never share a directory's files; also proves
+    the directory writable at construction rather than at the first step."""
+    path = directory / "adambridge.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ValueError(describe_os_error("creating", path, exc)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
+                         f"give each optimizer its own directory") from None
+    return fd
 
 
 class IOCounters:

@@ -142,6 +142,7 @@ class Tier:
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
         self.stream = PageStream(self.pool)
         self._landed: dict[Any, list] = defaultdict(list)  # async: pieces per job
+        self._landed_step: Any = lambda: None              # the StepRecord they belong to
         self._last_commit_s: Optional[float] = None
         self._renamed: Optional[Future] = None  # the directory fsync of the last publish
         weakref.finalize(self, _close, self.pool, self._lock_fds, self._files)
@@ -189,8 +190,11 @@ class Tier:
 
     # -- the synchronous step
 
-    def step(self, work: list, backend: str) -> list:
-        """Stream and commit the file-backed parameters of ``work``; return the others."""
+    def step(self, work: list, backend: str, stats: Optional[StepStats] = None) -> list:
+        """Stream and commit the file-backed parameters of ``work``; return the others.
+
+        The step's I/O goes into ``stats`` (added), or, without one, into a new StepStats
+        that becomes ``opt.last_step_stats``."""
         from .optimizer import _host_grad
         mine = [w for w in work if self.holds(w[0])]
         if not mine:
@@ -203,10 +207,11 @@ class Tier:
         for p, _, state, step in mine:
             p.detach().copy_(self._staged(p).view(p.shape))
             state["step"].fill_(step)
-        read, written, wait_s = self.pool.counters.take()
-        self._opt().last_step_stats = StepStats(
-            host_update_s=host_s, wall_s=time.perf_counter() - began, num_params=len(jobs),
-            io_read_bytes=read, io_write_bytes=written, io_wait_s=wait_s)
+        if stats is None:
+            stats = self._opt().last_step_stats = StepStats(
+                wall_s=time.perf_counter() - began, num_params=len(jobs))
+        stats.host_update_s += host_s
+        self.take_io(stats)
         return [w for w in work if not self.holds(w[0])]
 
     def _job(self, p: torch.Tensor, group: dict, step: int, grad: torch.Tensor,
@@ -258,15 +263,16 @@ class Tier:
 
     # -- asynchronous mode: called by the worker with each batch of landed pieces
 
-    def route(self, batch: list, backend: str) -> tuple[list, list]:
+    def route(self, batch: list, backend: str, record: Any) -> tuple[list, list]:
         """(pieces for the in-RAM update, pieces whose parameter was streamed and committed).
 
         A file-backed parameter is streamed once all its pieces have landed: its pages need
-        the whole gradient, and one commit per parameter keeps the files consistent."""
+        the whole gradient, and one commit per parameter keeps the files consistent.
+        ``record`` is the step's StepRecord (pieces of an earlier, failed step are dropped)."""
         rest, ready = [], []
-        record = batch[0].job.record
-        for stale in [job for job in self._landed if job.record is not record]:
-            del self._landed[stale]  # pieces of a step that failed before they were all landed
+        if self._landed_step() is not record:
+            self._landed.clear()  # pieces of a step that failed before they all landed
+            self._landed_step = weakref.ref(record)  # weak: a finished step frees its grads
         for piece in batch:
             job = piece.job
             if not self.holds(job.p):
@@ -278,12 +284,12 @@ class Tier:
         if not ready:
             return rest, []
         try:
-            self._commit_async(ready, backend)
+            self._commit_async(ready, backend, record)
         finally:
             done = [piece for job in ready for piece in self._landed.pop(job)]
         return rest, done
 
-    def _commit_async(self, ready: list, backend: str) -> None:
+    def _commit_async(self, ready: list, backend: str, record: Any) -> None:
         opt = self._opt()
         for job in ready:
             if job.state is None:
@@ -299,8 +305,8 @@ class Tier:
             elif streamed.staging is not job.out:
                 job.out.copy_(streamed.staging)
             # else: the kernel wrote the transport's buffer, sent once the pieces are done
-        with ready[0].record.lock:
-            ready[0].record.host_update_s += host_s
+        with record.lock:
+            record.host_update_s += host_s
 
     def take_io(self, stats: StepStats) -> None:
         """Add the I/O since the last take to ``stats`` (async mode, at step_sync)."""

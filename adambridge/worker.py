@@ -188,7 +188,7 @@ class Lane:
             return
         try:
             tier = getattr(batch[0].job.opt, "_tier", None)  # NVMe tier: streams its params
-            batch, streamed = tier.route(batch, self.backend) if tier else (batch, [])
+            batch, streamed = tier.route(batch, self.backend, record) if tier else (batch, [])
             items = [self._item(piece) for piece in batch]
             began = time.perf_counter()
             adamw_update(items, self.backend)

@@ -73,6 +73,12 @@ def topology_facts() -> Facts:
     return facts
 
 
+def tier_facts() -> Facts:
+    """The NVMe tier (issue 14): whether O_DIRECT works under $TMPDIR."""
+    from .nvme_io import describe_direct_io
+    return [("nvme tier", describe_direct_io(os.environ.get("TMPDIR", "/tmp")))]
+
+
 def _print_facts(facts: Facts) -> None:
     for name, value in facts:
         _field(name, value)
@@ -135,6 +141,7 @@ def cmd_info(argv: Sequence[str]) -> int:
     native, native_ok = native_facts()
     _print_facts(native)
     _print_facts(topology_facts())
+    _print_facts(tier_facts())
     ok = native_ok and _self_check()
     _field("result", "PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, state as host_state
+from . import checkpoint, nvme, state as host_state
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -56,6 +56,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         seed: int = 0,
         small_param_threshold: int = 65536,
         max_grad_norm: Optional[float] = None,
+        offload_dir: Any = None,
+        host_budget: Optional[int] = None,
         **torch_flags: Any,
     ) -> None:
         check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
@@ -73,6 +75,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                                             small_param_threshold)
         self.max_grad_norm = check.max_grad_norm(max_grad_norm)
         self.autotune_config = check.autotune(autotune)
+        # NVMe tier (issue 14): validated here, created once the parameters are known.
+        offload = nvme.check_offload(offload_dir, host_budget, self.autotune_config)
         self.autotune_log: list = []
         self.last_step_stats = None
         self._resolved_backend: Optional[str] = None
@@ -82,8 +86,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         # (version, data_ptr) of each parameter when this optimizer last wrote it back.
         self._written: dict[torch.Tensor, tuple[int, int]] = {}
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
+        self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        if offload is not None:
+            self._tier = nvme.Tier(self, offload, host_budget)
         if self._backend_request == "native":
             self._resolve_backend()  # fail now, not at the first step
 
@@ -102,6 +109,16 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             from ._native import loader
             return f"native/{loader.isa_name()}"
         return "torch"
+
+    @property
+    def nvme_tier(self) -> Optional["nvme.Tier"]:
+        """The NVMe tier (``offload_dir``): bytes_written, drive_writes_per_day(); else None."""
+        return self._tier
+
+    def placement(self) -> list:
+        """Where each parameter's state lives: a list of nvme.Placed (index, numel, 'ram' or
+        'file', state_bytes) in state_dict order; all 'ram' without ``offload_dir``."""
+        return nvme.placement(self)
 
     def host_state_bytes(self) -> int:
         """Bytes of host memory held by all parameters' master weights and moments."""
@@ -188,9 +205,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
-            items = [self._update_item(p, group, state, step) for p, group, state, step in work]
+            rest = work if self._tier is None else self._tier.step(work, backend, stats)
+            items = [self._update_item(p, group, state, step) for p, group, state, step in rest]
             adamw_update(items, backend)
-            for p, _, state, step in work:
+            for p, _, state, step in rest:
                 state["step"].fill_(step)
                 self._write_back(p, state)
             self.mark_written([p for p, _, _, _ in work])
@@ -329,11 +347,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         groups = [dict({k: v for k, v in group.items() if k != "params"}, **meta,
                        params=[self._param_index[p] for p in group["params"]])
                   for group in self.param_groups]
+        # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
+        filed = self._tier.committed_states() if self._tier is not None else {}
         state = {}
         for key, value in self.state.items():
             if not isinstance(key, torch.Tensor):
                 state[key] = value  # not a parameter's: kept as is, as torch does
             elif value:
+                value = filed.get(key, value)  # a file-backed state: its committed tensors
                 state[self._param_index[key]] = checkpoint.saved_entry(key, value)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -354,6 +375,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         new_state, new_groups, meta = checkpoint.restore(state_dict, self.param_groups,
                                                          params, self._precision)
+        if self._tier is not None:
+            new_state = self._tier.adopt(new_state)  # file-placed states go into their files
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master
@@ -380,6 +403,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         had_flag = "differentiable" in state.get("defaults", {})
         super().__setstate__(state)
+        self.__dict__.setdefault("_tier", None)  # pickled before the NVMe tier existed
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

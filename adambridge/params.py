@@ -20,7 +20,8 @@ from .state import can_alias_master
 
 class ParamOwner:
     """Mixin of AdamBridge; needs ``param_groups``, ``state``, ``seed``, ``_precision``,
-    ``stochastic_rounding`` and the dicts ``_param_index``, ``_layout``, ``_written``."""
+    ``stochastic_rounding``, ``_tier`` (the NVMe tier or None) and the dicts
+    ``_param_index``, ``_layout``, ``_written``."""
 
     def _index_params(self) -> None:
         # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
@@ -43,9 +44,13 @@ class ParamOwner:
         """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout)."""
         check.gradient(p, self.index(p), self._layout.get(p))
 
+    def in_files(self, p: torch.Tensor) -> bool:
+        """Whether p's state lives in the NVMe tier's files (``offload_dir``)."""
+        return self._tier is not None and self._tier.holds(p)
+
     def written_elsewhere(self, p: torch.Tensor) -> bool:
         """Whether p was written by anyone else since this optimizer last wrote it."""
-        if can_alias_master(p):
+        if can_alias_master(p) and not self.in_files(p):
             return False  # p's storage is the master: what anyone writes is the master
         return self._written.get(p) != (p._version, p.data_ptr())
 
@@ -61,7 +66,14 @@ class ParamOwner:
         A parameter holding exactly the rounding of its master keeps the master.
         """
         state = self.state[p]
-        if state:  # the common case first: one dict lookup and one tuple compare
+        if self.in_files(p):
+            # NOTE: the master lives in the files, so written weights are compared with it
+            # when the tier streams p (nvme.py, Tier.commit); here only ``step`` is made.
+            if not state:
+                self._layout[p] = (p.shape, p.dtype)
+                state.update(self._tier.new_state(p))
+            return state
+        if state:  # the common case: one dict lookup and one tuple compare
             if self._written.get(p) != (p._version, p.data_ptr()) and not can_alias_master(p):
                 host_state.adopt_written(state, p.detach() if source is None else source)
             return state

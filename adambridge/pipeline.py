@@ -350,6 +350,9 @@ class Pipeline(FactsMixin):
             stats.h2d_s += copies.h2d_s
             stats.d2h_bytes += copies.d2h_bytes
             stats.h2d_bytes += copies.h2d_bytes
+        tier = getattr(self.opt, "nvme_tier", None)
+        if tier is not None:
+            tier.take_io(stats)  # the NVMe tier's bytes and I/O wait
         stats.wall_s = time.perf_counter() - record.began
         return stats
 

@@ -126,11 +126,21 @@ class FactsMixin:
 
     def correct_on_lane(self, lane, record: StepRecord) -> None:
         """Worker side: move each speculative update of this lane to its final gradient."""
+        filed = []
         for job in record.jobs.values():
             if (job.transport is not lane.transport or job.grad_before is None
-                    or not job.updated_ranges or torch.equal(job.grad_before, job.grad)):
+                    or torch.equal(job.grad_before, job.grad)):
                 continue
-            self._correct(job)
+            if job.streamed:
+                filed.append(job.index)
+            elif job.updated_ranges:
+                self._correct(job)
+        if filed:
+            # NOTE: the NVMe tier committed these with the unclipped gradient and keeps no
+            # moments to redo them from; with clipping expected it holds them (issue 14).
+            raise RuntimeError(f"clipping first fired after the NVMe tier had committed "
+                               f"parameters {filed} (offload_dir); pass max_grad_norm= or "
+                               f"clip from the first step after attach_hooks()")
 
     def _correct(self, job: Job) -> None:
         for start, end in job.updated_ranges:
@@ -158,7 +168,7 @@ class FactsMixin:
 
     def _note_grad_scaler(self, record: StepRecord) -> None:
         self.uses_grad_scaler = True  # from now on every step is held until the scaler decides
-        if not record.held and any(job.updated_ranges for job in record.jobs.values()):
+        if not record.held and any(job.speculative for job in record.jobs.values()):
             record.fail(RuntimeError(
                 "a GradScaler was first used at a step whose updates had already started "
                 "(they cannot be skipped); use the scaler from the first step after "

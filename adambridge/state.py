@@ -170,13 +170,18 @@ def adopt_written(state: dict, values: torch.Tensor) -> bool:
     """
     master = state["master"]
     values = values.detach().reshape(-1).to("cpu")
-    rounded = master if values.dtype == torch.float32 else master.to(values.dtype)
-    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    as_bits = bits[values.dtype]  # compare bits: NaN payloads and -0.0 count as written too
-    if torch.equal(rounded.view(as_bits), values.view(as_bits)):
+    if is_rounding_of(master, values):
         return False
     master.copy_(values)
     return True
+
+
+def is_rounding_of(master: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether flat host ``values`` are bit for bit the rounding of fp32 ``master``."""
+    rounded = master if values.dtype == torch.float32 else master.to(values.dtype)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    as_bits = bits[values.dtype]  # compare bits: NaN payloads and -0.0 count as written too
+    return torch.equal(rounded.view(as_bits), values.view(as_bits))
 
 
 def range_views(state: dict, start: int, end: int) -> dict:

@@ -16,7 +16,9 @@ class StepStats:
     moved each way; ``num_params`` / ``num_batches``: parameters updated and native calls made;
     ``grad_norm``: the total gradient norm torch's ``clip_grad_norm_`` returned this step
     (``max_grad_norm``, or a clipping call routed to the optimizer), else None; ``skipped``:
-    GradScaler found inf/NaN and the step changed nothing.
+    GradScaler found inf/NaN and the step changed nothing; ``io_read_bytes`` /
+    ``io_write_bytes`` / ``io_wait_s``: the NVMe tier's file traffic and the time its
+    streaming waited for I/O (0 without ``offload_dir``).
     """
 
     host_update_s: float = 0.0
@@ -30,6 +32,9 @@ class StepStats:
     num_batches: int = 0
     grad_norm: Optional[float] = None
     skipped: bool = False
+    io_read_bytes: int = 0
+    io_write_bytes: int = 0
+    io_wait_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -106,10 +106,11 @@ class Job:
     updated_ranges: list = field(default_factory=list)
     grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
     saved_moments: dict = field(default_factory=dict)  # range -> moments before the update
+    streamed: bool = False  # committed by the NVMe tier before the step's facts were known
 
     @property
     def speculative(self) -> bool:
-        return bool(self.updated_ranges)
+        return bool(self.updated_ranges) or self.streamed
 
 
 @dataclass(eq=False)
@@ -243,21 +244,39 @@ class Lane:
         if record.failed:
             return
         try:
+            batch, streamed = self._route(batch, record, speculative)
             items = [self._item(piece) for piece in batch]
             if speculative and record.clip_watch is not None:
                 _keep_moments(batch, items)
             began = time.perf_counter()
-            adamw_update(items, self.backend)
+            if items:
+                adamw_update(items, self.backend)
             elapsed = time.perf_counter() - began
             with record.lock:
                 record.host_update_s += elapsed
-                record.num_batches += 1
+                record.num_batches += bool(items)
             for piece in batch:
                 if speculative:
                     piece.job.updated_ranges.append((piece.start, piece.end))
                 self._done(piece)
+            for piece in streamed:
+                piece.job.streamed = speculative
+                self._done(piece)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
+
+    def _route(self, batch: list[Piece], record: StepRecord,
+               speculative: bool) -> tuple[list[Piece], list[Piece]]:
+        """(pieces for the in-RAM update, pieces the NVMe tier has streamed and committed)."""
+        tier = getattr(batch[0].job.opt, "nvme_tier", None)
+        if tier is None:
+            return batch, []
+        if speculative and record.clip_watch is not None:
+            # NOTE: redoing a clipped update (step_facts.redo) needs the moments from before
+            # it, which the tier keeps only in files: its pieces wait for the norm (issue 14).
+            batch, filed = tier.split(batch)
+            self._held.extend(filed)
+        return tier.route(batch, self.backend, record)
 
     def _item(self, piece: Piece) -> Any:
         job = piece.job

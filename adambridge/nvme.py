@@ -1,0 +1,339 @@
+"""The NVMe tier: which parameters' state lives in files, and the paged step that streams it.
+
+``AdamBridge(..., offload_dir=PATH or [PATHS] or OffloadConfig, host_budget=BYTES)`` keeps the
+smallest parameters' state in RAM while it fits ``host_budget`` and puts the rest in files
+(nvme_layout.py). A step streams each file-backed parameter through the kernel page by page:
+page k+1 is being read while page k is updated and page k-1 written (nvme_io.py), into a ring
+of aligned buffers allocated once. The new pages go to the other A/B slot; after every page of
+the step is written and fsynced, one manifest publish commits them all, and only then are the
+parameters written back and ``state["step"]`` advanced. A fault before the publish raises
+with the parameters, the RAM state and the committed files exactly as before the step.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import state as host_state
+from .codecs import FP8_BLOCK
+from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
+from .nvme_io import IOPool, lock_directory
+from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state, sync_directory
+from .nvme_stream import PageStream, StreamJob, master_is_rounding
+from .stats import StepStats
+
+
+def placement(opt: Any) -> list[Placed]:
+    """``opt.placement()``: where each parameter's state lives, in state_dict order."""
+    tier = opt.nvme_tier
+    return all_in_ram(opt) if tier is None else tier.placement()
+
+
+class Tier:
+    """The file-backed state of one optimizer (``opt._tier``)."""
+
+    def __init__(self, opt: Any, config: OffloadConfig, host_budget: Optional[int]) -> None:
+        self.config, self.host_budget = config, host_budget
+        self.dirs: tuple[Path, ...] = tuple(config.paths)
+        self._opt = weakref.ref(opt)
+        self._lock_fds: list[int] = []
+        try:
+            for directory in self.dirs:
+                self._lock_fds.append(lock_directory(directory))
+        except ValueError:
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
+        self.pool = IOPool(config.queue_depth)
+        self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
+        self._where: dict[torch.Tensor, str] = {}
+        self._files: dict[torch.Tensor, ParamFiles] = {}
+        self._committed: dict[int, tuple[int, int]] = {}   # index -> (generation, step)
+        self._staging: dict[torch.Tensor, torch.Tensor] = {}
+        self.stream = PageStream(self.pool)
+        self._landed: dict[Any, list] = defaultdict(list)  # async: pieces per job
+        self._landed_step: Any = lambda: None              # the StepRecord they belong to
+        self._last_commit_s: Optional[float] = None
+        self._renamed: Optional[Future] = None  # the directory fsync of the last publish
+        weakref.finalize(self, _close, self.pool, self._lock_fds, self._files)
+
+    # -- placement
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self._opt().precision, self.config.page_size)
+
+    def _place(self) -> None:
+        opt = self._opt()
+        owned = [p for group in opt.param_groups for p in group["params"]]
+        if len(self._where) == len(owned):
+            return
+        new = [p for p in owned if p not in self._where]
+        if not new:
+            return
+        used = sum(host_state.HOST_BYTES_PER_PARAM[opt.precision] * p.numel()
+                   for p, where in self._where.items() if where == "ram")
+        budget = None if self.host_budget is None else max(0, int(self.host_budget - used))
+        where = place([(opt.index(p), p.numel()) for p in new], opt.precision, budget)
+        for p in new:
+            self._where[p] = where[opt.index(p)]
+
+    def holds(self, p: torch.Tensor) -> bool:
+        self._place()
+        return self._where.get(p) == "file"
+
+    def placement(self) -> list[Placed]:
+        self._place()
+        opt = self._opt()
+        per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
+        return [Placed(opt.index(p), p.numel(), self._where[p], int(per_param * p.numel()))
+                for group in opt.param_groups for p in group["params"]]
+
+    def new_state(self, p: torch.Tensor) -> dict:
+        """The in-RAM part of a file-backed state: only ``step``. Files are created (space
+        reserved) here, before any update, so a full drive fails with nothing changed."""
+        with self.lock:
+            if p not in self._files:
+                index = self._opt().index(p)
+                self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
+            self._committed.pop(self._files[p].index, None)  # generation 0: read from p
+        return {"step": torch.tensor(0.0)}
+
+    # -- the synchronous step
+
+    def step(self, work: list, backend: str, stats: StepStats) -> list:
+        """Stream and commit the file-backed parameters of ``work``; return the others.
+
+        The step's I/O is added to ``stats`` (the synchronous step's)."""
+        from .optimizer import _host_grad
+        opt = self._opt()
+        mine = [w for w in work if self.holds(w[0])]
+        if not mine:
+            return work
+        self.pool.counters.take()
+        jobs = [self._job(p, group, step, _host_grad(p), p.detach().reshape(-1),
+                          written=opt.written_elsewhere(p))
+                for p, group, _, step in mine]
+        self.commit(jobs, backend)
+        for p, _, state, step in mine:
+            p.detach().copy_(self._staged(p).view(p.shape))
+            state["step"].fill_(step)
+        self.take_io(stats)
+        return [w for w in work if not self.holds(w[0])]
+
+    def _job(self, p: torch.Tensor, group: dict, step: int, grad: torch.Tensor,
+             source: torch.Tensor, out: Optional[torch.Tensor] = None,
+             written: bool = False) -> StreamJob:
+        staging = self._staged(p) if out is None else out
+        return StreamJob(p, group, step, grad, source, self._files[p], staging, 0,
+                         adopt=written)
+
+    def _staged(self, p: torch.Tensor) -> torch.Tensor:
+        """Where the kernel writes p's new values until the commit: p itself must keep the
+        old ones until then, so a failed step leaves it untouched. Allocated once."""
+        staging = self._staging.get(p)
+        if staging is None:
+            staging = self._staging[p] = host_state.host_empty(p.numel(), p.dtype)
+        return staging
+
+    def commit(self, jobs: list[StreamJob], backend: str) -> float:
+        """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
+        with self.lock:
+            for job in jobs:
+                job.files.check_sizes()
+                job.generation = self._committed.get(job.files.index, (0, 0))[0]
+                if job.adopt and job.generation > 0:
+                    # Weights written by anyone else win, unless they are the rounding of
+                    # the committed master (so a resume stays bit-exact): params.py, NOTE.
+                    ring = self.stream.ring(self.layout)
+                    job.adopt = not master_is_rounding(self.pool, job.files, ring[0],
+                                                       job.generation, job.source)
+            host_s = self.stream.run(self._opt(), jobs, backend, self._renamed)
+            self._sync(jobs)
+            committed = dict(self._committed)
+            for job in jobs:
+                committed[job.files.index] = (job.generation + 1, job.step)
+            self._publish(committed)
+            self._committed = committed
+            self._last_commit_s = time.perf_counter()
+        return host_s
+
+    def _publish(self, committed: dict) -> None:
+        opt = self._opt()
+        by_index = {files.index: files for files in self._files.values()}
+        entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
+                       "generation": gen, "step": step}
+                   for i, (gen, step) in committed.items() if i in by_index}
+        self.pool.wait(self._renamed)
+        publish_manifest(self.dirs[0], self.config.page_size, self.dirs, entries)
+        # The rename becomes durable in the background; the next write to a slot waits for it.
+        self._renamed = self.pool.call(functools.partial(sync_directory, self.dirs[0]))
+
+    def _sync(self, jobs: list[StreamJob]) -> None:
+        """fdatasync every file the jobs wrote, all at once (one device flush, not one each)."""
+        files = {id(f): f for job in jobs for f in job.files.files}.values()
+        error = self.pool.drain([self.pool.call(f.sync) for f in files])
+        if error is not None:
+            raise error
+
+    # -- asynchronous mode: called by the worker with each batch of landed pieces
+
+    def route(self, batch: list, backend: str, record: Any) -> tuple[list, list]:
+        """(pieces for the in-RAM update, pieces whose parameter was streamed and committed).
+
+        A file-backed parameter is streamed once all its pieces have landed: its pages need
+        the whole gradient, and one commit per parameter keeps the files consistent.
+        ``record`` is the step's StepRecord (pieces of an earlier, failed step are dropped)."""
+        rest, ready = [], []
+        if self._landed_step() is not record:
+            self._landed.clear()  # pieces of a step that failed before they all landed
+            self._landed_step = weakref.ref(record)  # weak: a finished step frees its grads
+        for piece in batch:
+            job = piece.job
+            if not self.holds(job.p):
+                rest.append(piece)
+                continue
+            self._landed[job].append(piece)
+            if len(self._landed[job]) == job.pieces_left:
+                ready.append(job)
+        if not ready:
+            return rest, []
+        try:
+            self._commit_async(ready, backend, record)
+        finally:
+            done = [piece for job in ready for piece in self._landed.pop(job)]
+        return rest, done
+
+    def _commit_async(self, ready: list, backend: str, record: Any) -> None:
+        opt = self._opt()
+        written = {}
+        for job in ready:
+            written[job] = job.state is not None and job.source is not None
+            job.state = opt.ensure_state(job.p, job.source)
+        jobs = [self._job(job.p, job.group, job.step, job.grad,
+                          job.source if job.source is not None else job.p.detach().reshape(-1),
+                          job.out if _separate(job.out, job.p) else None, written[job])
+                for job in ready]
+        host_s = self.commit(jobs, backend)
+        for job, streamed in zip(ready, jobs):
+            job.source = None
+            if job.out is None:
+                job.p.detach().copy_(streamed.staging.view(job.p.shape))
+            elif streamed.staging is not job.out:
+                job.out.copy_(streamed.staging)
+            # else: the kernel wrote the transport's buffer, sent once the pieces are done
+        with record.lock:
+            record.host_update_s += host_s
+
+    def split(self, batch: list) -> tuple[list, list]:
+        """(pieces of in-RAM parameters, pieces of file-backed ones)."""
+        filed = [piece for piece in batch if self.holds(piece.job.p)]
+        return [piece for piece in batch if not self.holds(piece.job.p)], filed
+
+    def take_io(self, stats: StepStats) -> None:
+        """Add the I/O since the last take to ``stats`` (async mode, at step_sync)."""
+        read, written, wait_s = self.pool.counters.take()
+        stats.io_read_bytes += read
+        stats.io_write_bytes += written
+        stats.io_wait_s += wait_s
+
+    # -- checkpoints
+
+    def committed_states(self) -> dict:
+        """{p: its committed state as in-RAM tensors} for every file-backed parameter.
+
+        Holding the lock waits for any step still writing (the checkpoint race of DeepSpeed
+        #7549): a checkpoint is always of committed generations, never of pages in flight."""
+        states = {}
+        with self.lock:
+            buffer = self.stream.ring(self.layout)[0]
+            for p, files in self._files.items():
+                generation, step = self._committed.get(files.index, (0, 0))
+                if generation == 0:  # made, never committed: as a fresh in-RAM state
+                    fresh = host_state.new_state(p.detach(), self._opt().precision, alias=False)
+                    states[p] = {**fresh, "step": torch.tensor(float(step))}
+                else:
+                    # The committed step, not state["step"]: a step that has just committed
+                    # advances that only after releasing the lock.
+                    states[p] = read_state(files, buffer, generation, step)
+        return states
+
+    def adopt(self, new_state: dict) -> dict:
+        """load_state_dict: write the file-placed states into their files and commit them;
+        return new_state with those entries reduced to ``step``. Raises before any change."""
+        with self.lock:
+            self.pool.wait(self._renamed)  # the slots written below may be the committed ones
+            written = {}
+            for p, state in new_state.items():
+                if not self.holds(p):
+                    continue
+                if p not in self._files:
+                    self.new_state(p)
+                files = self._files[p]
+                generation = self._committed.get(files.index, (0, 0))[0] + 1
+                self._write_state(files, state, generation)
+                written[p] = (files.index, generation, int(state["step"].item()))
+            for p in written:
+                self._files[p].sync()
+            # Parameters the checkpoint has no state for start fresh, as in torch.
+            kept = {self._files[p].index for p in new_state if p in self._files}
+            committed = {i: v for i, v in self._committed.items() if i in kept}
+            committed.update({i: (gen, step) for i, gen, step in written.values()})
+            self._publish(committed)
+            self._committed = committed
+        return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
+
+    def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
+        buffer = self.stream.ring(self.layout)[0]
+        for k in range(files.num_pages):
+            start, numel = files.page(k)
+            for key, view in files.layout.views(buffer, numel).items():
+                first = start // FP8_BLOCK if key.endswith("_scale") else start
+                view.copy_(state[key].reshape(-1)[first:first + view.numel()])
+            file, offset = files.locate(k, generation)
+            self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
+
+    # -- endurance
+
+    @property
+    def bytes_written(self) -> int:
+        """Every byte this tier has written to its drives: the endurance cost."""
+        return self.pool.counters.total_written
+
+    def drive_writes_per_day(self, capacity_bytes: int, step_s: Optional[float] = None) -> float:
+        """Drive writes per day per drive: at one step (every file-backed page rewritten)
+        every ``step_s`` seconds, or (None) at the rate measured from the first page read to
+        the last commit. The drives share the writes evenly (pages are striped)."""
+        if step_s is not None:
+            per_step = sum(f.num_pages * f.layout.record_bytes for f in self._files.values())
+            rate = per_step / step_s
+        elif self.stream.first_write_s is None or self._last_commit_s is None:
+            return 0.0
+        else:
+            elapsed = self._last_commit_s - self.stream.first_write_s
+            rate = self.bytes_written / max(elapsed, 1e-9)
+        return rate * 86400.0 / (capacity_bytes * len(self.dirs))
+
+
+def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """A transport buffer that is not p's own storage (a pinned copy for a CUDA parameter,
+    a buffer for a non-contiguous one) can take the new values directly: it reaches p only
+    when the worker sends it, after the commit."""
+    return out is not None and out.data_ptr() != p.data_ptr()
+
+
+def _close(pool: IOPool, lock_fds: list, files: dict) -> None:
+    pool.close()
+    for param_files in files.values():
+        param_files.close()
+    for fd in lock_fds:
+        os.close(fd)

@@ -1,0 +1,274 @@
+"""Direct file I/O for the NVMe tier: 4096-aligned reused buffers, O_DIRECT files, a thread pool.
+
+Each read or write is one ``os.preadv``/``os.pwritev`` of a whole page record into or out of
+an aligned buffer; both release the GIL, so ``queue_depth`` threads keep that many requests
+in flight while the kernel (which releases the GIL too) updates another page. io_uring is
+not used: a pool of blocking calls reaches the same queue depth without a native dependency.
+Where a filesystem refuses O_DIRECT (EINVAL at open) the file falls back to buffered I/O,
+with one warning per directory.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to the block size
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_log = logging.getLogger("adambridge")
+_warned_dirs: set[str] = set()
+
+
+class TierError(RuntimeError):
+    """An I/O failure of the NVMe tier; the message names the file and the fix."""
+
+
+def align_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class AlignedBuffer:
+    """An anonymous mmap (page-aligned, so O_DIRECT-safe), seen as bytes and as a uint8 tensor."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = align_up(nbytes)
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.memory = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._views: dict = {}
+
+    def cached_views(self, key: object, make: Callable[["AlignedBuffer"], dict]) -> dict:
+        """Views made once per layout: a page's tensors are then one slice each, not three ops."""
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = make(self)
+        return views
+
+    def view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` elements of ``dtype`` starting ``offset`` bytes in."""
+        return self.tensor[offset:offset + count * dtype.itemsize].view(dtype)
+
+
+def _fix_for(err: int) -> str:
+    if err == errno.ENOSPC:
+        return "free space on that drive or pass a larger offload_dir"
+    if err in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "pass a writable offload_dir"
+    if err == errno.ENOENT:
+        return "the directory was removed; restore it or pass another offload_dir"
+    return "check the drive (dmesg) and resume from a checkpoint"
+
+
+def describe_os_error(action: str, path: object, exc: OSError) -> str:
+    """One line: what failed, on which file, why, and what to do."""
+    reason = exc.strerror or str(exc)
+    return f"NVMe tier: {action} {path} failed ({reason}); {_fix_for(exc.errno or 0)}"
+
+
+class DataFile:
+    """One state file, opened O_DIRECT where the filesystem allows, with space reserved."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.fd, self.direct = _open(path)
+        try:
+            # Reserve the space now, so a full drive fails the first step, not a later one.
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as exc:
+            os.close(self.fd)
+            raise TierError(describe_os_error(f"reserving {nbytes} bytes for", path, exc)) from None
+
+    def check_size(self) -> None:
+        """Raise if something outside us truncated the file (its state is then gone)."""
+        size = os.fstat(self.fd).st_size
+        if size < self.nbytes:
+            raise TierError(f"NVMe tier: {self.path} is {size} bytes, expected {self.nbytes}: it "
+                            f"was truncated outside adambridge; restore the optimizer from a "
+                            f"checkpoint with opt.load_state_dict()")
+
+    def sync(self) -> None:
+        # NOTE: O_DIRECT bypasses the page cache, not the drive's write cache: fdatasync is
+        # what makes the new pages durable before the manifest names them.
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            raise TierError(describe_os_error("syncing", self.path, exc)) from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ReadOnlyFile:
+    """A state file opened for reading with buffered I/O (recovery needs no O_DIRECT)."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path, self.nbytes, self.direct = path, nbytes, False
+        self.fd = os.open(path, os.O_RDONLY)
+
+    check_size = DataFile.check_size
+    close = DataFile.close
+
+
+def _open(path: Path) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_CREAT
+    try:
+        return os.open(path, flags | _O_DIRECT, 0o600), bool(_O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not _O_DIRECT:
+            raise TierError(describe_os_error("opening", path, exc)) from None
+    directory = str(path.parent)
+    if directory not in _warned_dirs:
+        _warned_dirs.add(directory)
+        _log.warning("adambridge NVMe tier: the filesystem of %s refuses O_DIRECT; using buffered "
+                     "I/O there (the page cache will hold a second copy of the state)", directory)
+    try:
+        return os.open(path, flags, 0o600), False
+    except OSError as exc:
+        raise TierError(describe_os_error("opening", path, exc)) from None
+
+
+# The two system calls, module-level so tests can inject faults (EIO, ENOSPC, short reads).
+_preadv: Callable[[int, list, int], int] = os.preadv
+_pwritev: Callable[[int, list, int], int] = os.pwritev
+
+
+def lock_directory(directory: Path) -> int:
+    """An exclusive lock, so two optimizers never share a directory's files; also proves
+    the directory writable at construction rather than at the first step."""
+    path = directory / "adambridge.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ValueError(describe_os_error("creating", path, exc)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
+                         f"give each optimizer its own directory") from None
+    return fd
+
+
+class IOCounters:
+    """Bytes moved and time the streaming loop waited for I/O, since the last take()."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
+        self.total_written = 0  # the endurance cost, never reset
+
+    def add(self, read: int = 0, written: int = 0, wait_s: float = 0.0) -> None:
+        with self.lock:
+            self.read_bytes += read
+            self.write_bytes += written
+            self.total_written += written
+            self.wait_s += wait_s
+
+    def take(self) -> tuple[int, int, float]:
+        with self.lock:
+            taken = (self.read_bytes, self.write_bytes, self.wait_s)
+            self.read_bytes = self.write_bytes = 0
+            self.wait_s = 0.0
+            return taken
+
+
+class IOPool:
+    """``queue_depth`` threads running whole-record reads and writes; futures for each."""
+
+    def __init__(self, queue_depth: int) -> None:
+        self.queue_depth = queue_depth
+        self.counters = IOCounters()
+        self._pool = ThreadPoolExecutor(max_workers=queue_depth,
+                                        thread_name_prefix="adambridge-io")
+
+    def read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
+        return self._pool.submit(self._read, file, buffer, offset, nbytes)
+
+    def write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
+        return self._pool.submit(self._write, file, buffer, offset, nbytes)
+
+    def call(self, fn: Callable[[], None]) -> Future:
+        return self._pool.submit(fn)
+
+    def _read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
+        try:
+            got = _preadv(file.fd, [buffer.memory[:nbytes]], offset)
+        except OSError as exc:
+            raise TierError(describe_os_error("reading", file.path, exc)) from None
+        if got != nbytes:
+            raise TierError(f"NVMe tier: reading {file.path} at byte {offset} returned {got} of "
+                            f"{nbytes} bytes: it was truncated outside adambridge; restore the "
+                            f"optimizer from a checkpoint with opt.load_state_dict()")
+        self.counters.add(read=nbytes)
+
+    def _write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
+        try:
+            put = _pwritev(file.fd, [buffer.memory[:nbytes]], offset)
+        except OSError as exc:
+            raise TierError(describe_os_error("writing", file.path, exc)) from None
+        if put != nbytes:  # a short write is how some filesystems report a full disk
+            raise TierError(describe_os_error("writing", file.path,
+                                              OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        self.counters.add(written=nbytes)
+
+    def wait(self, future: Optional[Future]) -> None:
+        """Block on one request, counting the time as I/O wait; re-raise its error."""
+        if future is None:
+            return
+        if not future.done():
+            began = time.perf_counter()
+            future.result()
+            self.counters.add(wait_s=time.perf_counter() - began)
+        else:
+            future.result()
+
+    def drain(self, futures: list) -> Optional[BaseException]:
+        """Wait for every request (so no buffer is still in use); return the first error."""
+        first = None
+        for future in futures:
+            if future is None:
+                continue
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - the caller raises the first one
+                first = first or exc
+        return first
+
+    def close(self) -> None:
+        # A pool thread that drops the last reference to the tier must not join itself.
+        inside = threading.current_thread().name.startswith("adambridge-io")
+        self._pool.shutdown(wait=not inside)
+
+
+def describe_direct_io(directory: str) -> str:
+    """One line for ``python -m adambridge info``: does O_DIRECT work in ``directory``?"""
+    path = Path(directory) / f".adambridge-probe-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_DIRECT, 0o600)
+    except OSError as exc:
+        return f"O_DIRECT refused in {directory} ({exc.strerror}): an offload_dir there is buffered"
+    try:
+        buffer = AlignedBuffer(ALIGN)
+        os.pwritev(fd, [buffer.memory], 0)
+        os.preadv(fd, [buffer.memory], 0)
+    except OSError as exc:
+        return f"O_DIRECT I/O fails in {directory} ({exc.strerror}): pass another offload_dir"
+    finally:
+        os.close(fd)
+        path.unlink()
+    return (f"O_DIRECT works in {directory} (offload_dir=...; I/O by a pool of pread/pwrite "
+            f"threads; opt.placement() shows what goes there)")
+

@@ -1,0 +1,232 @@
+"""NVMe tier step time against the raw O_DIRECT floor of the same bytes and the in-RAM step.
+
+  python benchmarks/bench_nvme.py --numel 32M --dir /tmp            # fp32 moments
+  python benchmarks/bench_nvme.py --numel 32M --precision bf16 --json out.json
+
+A bf16 model (four parameters of numel/4) is updated three ways, interleaved per repeat so
+a noisy machine slows all alike, each reported as a median:
+
+- in-RAM: AdamBridge with its state in host memory (the update alone);
+- tier: AdamBridge(offload_dir=DIR, host_budget=0): every page read, updated and written
+  back through O_DIRECT, fsynced and committed;
+- raw floor: the same bytes in the same pattern (read slot A of page k, write slot B, records
+  of the tier's size, the same queue depth, then fdatasync) with no update: the I/O alone.
+- fio (when installed): a mixed sequential read/write of the same bytes, direct=1, libaio.
+
+Goals (issue 14): tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
+max(raw floor, in-RAM step). Before timing, the tier is checked bit for bit against RAM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adambridge import AdamBridge  # noqa: E402
+from adambridge.nvme import OffloadConfig  # noqa: E402
+from adambridge.nvme_io import AlignedBuffer, DataFile, IOPool  # noqa: E402
+from adambridge.nvme_layout import PageLayout  # noqa: E402
+
+
+def _numel(text: str) -> int:
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def _model(numel: int, parts: int = 4) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel // parts, generator=gen).bfloat16())
+              for _ in range(parts)]
+    grads = [torch.randn(p.shape, generator=gen).bfloat16() for p in params]
+    return params, grads
+
+
+def _step(opt: AdamBridge, params: list, grads: list) -> float:
+    for p, g in zip(params, grads):
+        p.grad = g
+    began = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - began
+
+
+def validate(precision: str, directory: Path, args) -> None:
+    """The tier equals the in-RAM state bit for bit (params and moments) on a small model."""
+    results = []
+    for offload in (None, OffloadConfig([directory], page_size=args.page_size,
+                                        queue_depth=args.queue_depth)):
+        params, grads = _model(3 * args.page_size + 4 * 333)
+        opt = AdamBridge(params, precision=precision, offload_dir=offload,
+                         host_budget=0 if offload else None)
+        for _ in range(3):
+            _step(opt, params, grads)
+        results.append((params, opt.state_dict()["state"]))
+        del opt
+    (ram_params, ram_state), (tier_params, tier_state) = results
+    for p, q in zip(ram_params, tier_params):
+        assert torch.equal(p, q), "tier params differ from in-RAM params"
+    for i in ram_state:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ram_state[i][key].float(), tier_state[i][key].float()), (i, key)
+    for name in os.listdir(directory):
+        os.unlink(directory / name)
+
+
+class RawFloor:
+    """The tier's I/O pattern without the update: per page, read one slot, write the other."""
+
+    def __init__(self, path: Path, pages: int, record: int, queue_depth: int) -> None:
+        self.file = DataFile(path, 2 * pages * record)
+        self.pages, self.record = pages, record
+        self.pool = IOPool(queue_depth)
+        self.buffers = [AlignedBuffer(record) for _ in range(queue_depth + 1)]
+        self._run(prefill=True)  # written once, so reads hit real extents, not holes
+
+    def _run(self, prefill: bool = False) -> float:
+        began = time.perf_counter()
+        futures = []
+        for k in range(self.pages):
+            buffer = self.buffers[k % len(self.buffers)]
+            if prefill:
+                futures.append(self.pool.write(self.file, buffer, 2 * k * self.record, self.record))
+            else:
+                futures.append(self.pool.read(self.file, buffer, 2 * k * self.record, self.record))
+            futures.append(self.pool.write(self.file, buffer, (2 * k + 1) * self.record,
+                                           self.record))
+            if len(futures) > 2 * self.pool.queue_depth:
+                futures.pop(0).result()  # keep about queue_depth requests in flight
+        error = self.pool.drain(futures)
+        if error is not None:
+            raise error
+        self.file.sync()
+        return time.perf_counter() - began
+
+    def time(self) -> float:
+        return self._run()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.file.close()
+
+
+def fio_seconds(directory: Path, nbytes: int, record: int, queue_depth: int) -> float | None:
+    """fio's time for the same bytes read and written, direct=1, libaio; None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    path = directory / "fio.dat"
+    cmd = ["fio", "--name=floor", f"--filename={path}", "--direct=1", "--rw=rw",
+           "--rwmixread=50", f"--bs={record}", f"--size={2 * nbytes}", "--ioengine=libaio",
+           f"--iodepth={queue_depth}", "--end_fsync=1", "--output-format=json"]
+    subprocess.run(cmd[:-1] + ["--rw=write", "--output-format=terse"], check=True,
+                   capture_output=True)  # lay the file out first, as the tier's files are
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    os.unlink(path)
+    return job["job_runtime"] / 1000.0
+
+
+def run(args) -> dict:
+    directory = Path(tempfile.mkdtemp(prefix="adambridge-bench-", dir=args.dir))
+    try:
+        validate(args.precision, directory, args)
+        return _measure(args, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _measure(args, directory: Path) -> dict:
+    params, grads = _model(args.numel)
+    ram_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ram = AdamBridge(ram_params, precision=args.precision, num_threads=args.threads)
+    tier = AdamBridge(params, precision=args.precision, host_budget=0, num_threads=args.threads,
+                      offload_dir=OffloadConfig([directory], page_size=args.page_size,
+                                                queue_depth=args.queue_depth))
+    layout = PageLayout(args.precision, args.page_size)
+    pages = sum(-(-p.numel() // args.page_size) for p in params)
+    nbytes = pages * layout.record_bytes
+    floor = RawFloor(directory / "floor.dat", pages, layout.record_bytes, args.queue_depth)
+    for _ in range(2):  # the first tier step writes only (new state); the second warms up
+        _step(ram, ram_params, grads), _step(tier, params, grads)
+    times = {"ram": [], "tier": [], "floor": [], "io_wait": []}
+    for _ in range(args.repeats):
+        times["ram"].append(_step(ram, ram_params, grads))
+        times["tier"].append(_step(tier, params, grads))
+        times["io_wait"].append(tier.last_step_stats.io_wait_s)
+        times["floor"].append(floor.time())
+    floor.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["fio"] = fio_seconds(directory, nbytes, layout.record_bytes, args.queue_depth)
+    step_s = med["tier"]
+    return dict(
+        setup=dict(numel=args.numel, precision=args.precision, page_size=args.page_size,
+                   queue_depth=args.queue_depth, record_bytes=layout.record_bytes,
+                   bytes_each_way=nbytes, dir=str(args.dir), cpus=os.cpu_count(),
+                   platform=platform.platform(), torch=torch.__version__,
+                   load_average=os.getloadavg()[0],
+                   backend=tier.backend, direct=all(f.direct for pf in tier._tier._files.values()
+                                                    for f in pf.files)),
+        seconds=med,
+        floor_over_tier=med["floor"] / step_s,
+        tier_over_bound=step_s / max(med["floor"], med["ram"]),
+        tier_gbps=2 * nbytes / step_s / 1e9,
+        floor_gbps=2 * nbytes / med["floor"] / 1e9,
+        dwpd_3_84tb=tier._tier.drive_writes_per_day(int(3.84e12), step_s=step_s),
+    )
+
+
+def report(result: dict) -> None:
+    s, setup = result["seconds"], result["setup"]
+    print(f"setup: {setup['numel'] / 2**20:.0f}M params, {setup['precision']} moments, page "
+          f"{setup['page_size']} elements ({setup['record_bytes'] >> 10} KiB records), queue "
+          f"depth {setup['queue_depth']}, {setup['bytes_each_way'] / 1e6:.0f} MB read + written "
+          f"per step, O_DIRECT {'yes' if setup['direct'] else 'no'}, dir {setup['dir']}, "
+          f"{setup['backend']}, {setup['cpus']} cpus, load average {setup['load_average']:.1f}")
+    print("| variant | ms | GB/s (read+write) |\n|---|---:|---:|")
+    nbytes = 2 * setup["bytes_each_way"]
+    rows = [("in-RAM step", s["ram"]), ("tier step", s["tier"]),
+            ("raw O_DIRECT floor, same bytes", s["floor"]), ("fio rw, same bytes", s["fio"])]
+    for name, seconds in rows:
+        if seconds is None:
+            print(f"| {name} | not installed | |")
+        else:  # the in-RAM step moves no file bytes: no GB/s
+            rate = "" if name == "in-RAM step" else f"{nbytes / seconds / 1e9:.2f}"
+            print(f"| {name} | {seconds * 1e3:.1f} | {rate} |")
+    print(f"tier I/O wait: {s['io_wait'] * 1e3:.1f} ms of {s['tier'] * 1e3:.1f} ms")
+    print(f"floor/tier = {result['floor_over_tier']:.2f} (goal >= 0.85); "
+          f"tier/max(floor, RAM) = {result['tier_over_bound']:.2f} (goal <= 1.10)")
+    print(f"endurance: {result['dwpd_3_84tb']:.1f} drive writes/day on one 3.84 TB drive at "
+          f"this step rate")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=_numel, default=_numel("16M"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp8"))
+    parser.add_argument("--page-size", type=int, default=1 << 18)
+    parser.add_argument("--queue-depth", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="native kernel threads (default: all); fewer leaves a core for I/O")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""The NVMe tier (nvme.py): bit-for-bit equal to in-RAM state, placement, checkpoints, stats."""
+from __future__ import annotations
+
+import errno
+import gc
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from adambridge import AdamBridge, AutoTuneConfig, nvme, nvme_io
+from adambridge.nvme import OffloadConfig
+from adambridge.nvme_layout import PageLayout, read_committed
+
+# Tail sizes around the 256-element pages used below: one short page, several pages with a
+# short last one, a page-exact parameter, a single element (one fp8 block of one).
+SIZES = (1, 17, 255, 256, 1000, 4097)
+
+CONFIGS = [
+    dict(desc="fp32 moments, fp32 params (the in-RAM master aliases p)", precision="fp32",
+         dtype=torch.float32),
+    dict(desc="bf16 moments, bf16 params", precision="bf16", dtype=torch.bfloat16),
+    dict(desc="fp8 moments (block scales per page), fp32 params", precision="fp8",
+         dtype=torch.float32),
+    dict(desc="fp8 moments, fp16 params", precision="fp8", dtype=torch.float16),
+]
+
+
+def _params(dtype: torch.dtype) -> list:
+    gen = torch.Generator().manual_seed(5)
+    params = [nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in SIZES]
+    # A non-contiguous leaf: its gradient and write-back go through copies.
+    params.append(nn.Parameter(torch.randn(40, 17, generator=gen).to(dtype).t()))
+    return params
+
+
+def _grads(params: list, steps: int) -> list:
+    gen = torch.Generator().manual_seed(7)
+    return [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(steps)]
+
+
+def _tier_args(tmp_path, dirs: int = 2, page_size: int = 256, budget: int = 300) -> dict:
+    paths = []
+    for i in range(dirs):
+        (tmp_path / f"drive{i}").mkdir(parents=True, exist_ok=True)
+        paths.append(tmp_path / f"drive{i}")
+    return dict(offload_dir=OffloadConfig(paths, page_size=page_size, queue_depth=2),
+                host_budget=budget)
+
+
+def _run(config: dict, backend: str, steps: int, **tier) -> tuple[list, AdamBridge]:
+    params = _params(config["dtype"])
+    opt = AdamBridge(params, lr=1e-2, weight_decay=0.1, precision=config["precision"],
+                     backend=backend, **tier)
+    for grads in _grads(params, steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+def _assert_same(params_a, opt_a, params_b, opt_b) -> None:
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+    state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for i in state_a:
+        assert state_a[i].keys() == state_b[i].keys(), i
+        for key in state_a[i]:
+            a, b = state_a[i][key].reshape(-1), state_b[i][key].reshape(-1)
+            assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), (i, key)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["desc"])
+def test_tier_step_equals_ram_bit_for_bit(config, backend, tmp_path):
+    ram_params, ram_opt = _run(config, backend, 3)
+    tier_params, tier_opt = _run(config, backend, 3, **_tier_args(tmp_path))
+    where = [placed.where for placed in tier_opt.placement()]
+    assert where.count("ram") == 2 and where.count("file") == 5  # 1 and 17 fit 300 bytes
+    _assert_same(ram_params, ram_opt, tier_params, tier_opt)
+    # The files themselves hold the same bits (what a crash would leave behind).
+    ram_state = ram_opt.state_dict()["state"]
+    committed = read_committed(tmp_path / "drive0")
+    assert sorted(committed) == [i for i, w in enumerate(where) if w == "file"]
+    for i, state in committed.items():
+        assert int(state["step"]) == 3
+        for key, tensor in state.items():
+            # The files hold the stored bits: the checkpoint's ab_* entries where torch's
+            # decoded form differs from them (docs/checkpoints.md).
+            expected = ram_state[i].get("ab_" + key) if key != "step" else None
+            expected = ram_state[i][key] if expected is None else expected
+            assert torch.equal(tensor.float(), expected.reshape(tensor.shape).float()), (i, key)
+
+
+class Net(nn.Module):
+    """w1 (960) and w2 are chunked at chunk_size=256; wt is non-contiguous; biases grouped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(24, 40)
+        self.wt = nn.Parameter(torch.randn(17, 40).t() * 0.2)
+        self.w2 = nn.Linear(17, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.w1(x))
+        return self.w2(h @ self.wt.to(h.dtype))
+
+
+def _train_model(config: dict, backend: str, hooks: bool, **tier) -> tuple[list, AdamBridge]:
+    torch.manual_seed(0)
+    model = Net().to(config["dtype"])
+    opt = AdamBridge(model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
+                     precision=config["precision"], chunk_size=256, small_param_threshold=64,
+                     **tier)
+    if hooks:
+        opt.attach_hooks(model)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 24, generator=gen), torch.randn(8, 5, generator=gen)
+        ((model(x.to(config["dtype"])).float() - y) ** 2).mean().backward()
+        stats = opt.step_sync() if hooks else opt.step()
+        opt.zero_grad()
+    if hooks:
+        assert stats.io_read_bytes > 0 and stats.io_write_bytes == stats.io_read_bytes
+    return list(model.parameters()), opt
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: c["desc"])
+def test_tier_async_equals_ram_sync_bit_for_bit(config, backend, tmp_path):
+    ram_params, ram_opt = _train_model(config, backend, hooks=False)
+    tier_params, tier_opt = _train_model(config, backend, hooks=True,
+                                         **_tier_args(tmp_path, budget=1200))
+    # wt and w1.weight in files; w1.bias, w2.weight and w2.bias in RAM.
+    assert [p.where for p in tier_opt.placement()] == ["file", "file", "ram", "ram", "ram"]
+    _assert_same(ram_params, ram_opt, tier_params, tier_opt)
+
+
+def test_place_smallest_first_under_the_budget():
+    sizes = [(0, 1000), (1, 10), (2, 500), (3, 10)]
+    per_param = 12  # fp32: master + m + v
+    assert nvme.place(sizes, "fp32", budget=20 * per_param) == {
+        0: "file", 1: "ram", 2: "file", 3: "ram"}
+    assert nvme.place(sizes, "fp32", budget=520 * per_param)[2] == "ram"
+    assert set(nvme.place(sizes, "fp32", budget=None).values()) == {"file"}
+    assert set(nvme.place(sizes, "fp32", budget=10**9).values()) == {"ram"}
+
+
+def test_placement_without_tier_is_all_ram():
+    opt = AdamBridge([nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(3))])
+    assert [(p.index, p.numel, p.where, p.state_bytes) for p in opt.placement()] == [
+        (0, 5, "ram", 60), (1, 3, "ram", 36)]
+
+
+@pytest.mark.parametrize("into", ["ram", "files"])
+def test_tier_checkpoint_resume_equals_uninterrupted(into, tmp_path):
+    config = CONFIGS[2]
+    full_params, full_opt = _run(config, "torch", 4)
+    params, opt = _run(config, "torch", 2, **_tier_args(tmp_path / "a"))
+    saved = opt.state_dict()
+    resumed = [nn.Parameter(p.detach().clone()) for p in params]
+    tier = _tier_args(tmp_path / "b", dirs=1, page_size=384) if into == "files" else {}
+    new_opt = AdamBridge(resumed, lr=1e-2, weight_decay=0.1, precision="fp8", backend="torch",
+                         **tier)
+    new_opt.load_state_dict(saved)
+    for grads in _grads(resumed, 4)[2:]:
+        for p, g in zip(resumed, grads):
+            p.grad = g.clone()
+        new_opt.step()
+    _assert_same(full_params, full_opt, resumed, new_opt)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tier_checkpoint_is_committed_state(tmp_path, mode):
+    # state_dict() of a file-backed parameter reads the committed generation: equal to the
+    # in-RAM optimizer's state after the same steps.
+    config = CONFIGS[1]
+    ram_params, ram_opt = _train_model(config, "torch", hooks=False)
+    tier_params, tier_opt = _train_model(config, "torch", hooks=mode == "async",
+                                         **_tier_args(tmp_path, budget=0))
+    assert {p.where for p in tier_opt.placement()} == {"file"}
+    _assert_same(ram_params, ram_opt, tier_params, tier_opt)
+
+
+def test_tier_stats_bytes_and_endurance(tmp_path):
+    config = CONFIGS[0]
+    params, opt = _run(config, "torch", 2, **_tier_args(tmp_path, budget=0))
+    record = PageLayout("fp32", 256).record_bytes
+    pages = sum(-(-p.numel() // 256) for p in params)
+    stats = opt.last_step_stats
+    assert stats.io_read_bytes == stats.io_write_bytes == pages * record
+    assert stats.num_params == len(params) and stats.io_wait_s >= 0.0
+    tier = opt._tier
+    assert tier.bytes_written == 2 * pages * record  # the first step reads nothing, writes all
+    capacity = 10**9
+    expected = pages * record / 0.5 * 86400 / (capacity * 2)  # two drives share the writes
+    assert tier.drive_writes_per_day(capacity, step_s=0.5) == pytest.approx(expected)
+    assert tier.drive_writes_per_day(capacity) > 0.0
+
+
+def test_tier_reuses_its_buffers_across_steps(tmp_path):
+    params, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, budget=0))
+    ring = [id(b) for b in opt._tier.stream.buffers]
+    assert len(ring) == 3  # queue_depth 2 + 1: read k+1, update k, write k-1
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert [id(b) for b in opt._tier.stream.buffers] == ring
+
+
+def test_tier_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme_io.os, "open", no_direct)
+    nvme_io._warned_dirs.clear()
+    with caplog.at_level(logging.WARNING, logger="adambridge"):
+        tier_params, tier_opt = _run(CONFIGS[1], "torch", 2, **_tier_args(tmp_path, dirs=1))
+    warnings = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(warnings) == 1
+    assert not any(f.direct for files in tier_opt._tier._files.values() for f in files.files)
+    ram_params, ram_opt = _run(CONFIGS[1], "torch", 2)
+    _assert_same(ram_params, ram_opt, tier_params, tier_opt)
+
+
+def test_describe_direct_io_says_whether_o_direct_works(tmp_path, monkeypatch):
+    assert nvme_io.describe_direct_io(str(tmp_path)).startswith(f"O_DIRECT works in {tmp_path}")
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme_io.os, "open", no_direct)
+    assert nvme_io.describe_direct_io(str(tmp_path)) == (
+        f"O_DIRECT refused in {tmp_path} (Invalid argument): an offload_dir there is buffered")
+    assert os.listdir(tmp_path) == []
+
+
+def test_tier_files_use_o_direct_where_allowed(tmp_path):
+    _, opt = _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path, dirs=1))
+    files = [f for param_files in opt._tier._files.values() for f in param_files.files]
+    assert files and all(f.direct for f in files)
+
+
+ARG_ERRORS = [
+    dict(desc="budget without a directory", kwargs=dict(host_budget=10),
+         match=r"host_budget=10 needs offload_dir"),
+    dict(desc="negative budget", kwargs=dict(offload_dir="{d}", host_budget=-1),
+         match=r"Invalid host_budget: -1"),
+    dict(desc="missing directory", kwargs=dict(offload_dir="{d}/nope"),
+         match=r"offload_dir '.*/nope' is not an existing directory; create it first"),
+    dict(desc="a directory twice", kwargs=dict(offload_dir=["{d}", "{d}/."]),
+         match=r"offload_dir lists a directory twice"),
+    dict(desc="empty list", kwargs=dict(offload_dir=[]), match=r"an empty list"),
+    dict(desc="page size off the fp8 block", kwargs=dict(page_size=100),
+         match=r"Invalid page_size: 100 \(expected a positive multiple of 128"),
+    dict(desc="queue depth of one", kwargs=dict(queue_depth=1),
+         match=r"Invalid queue_depth: 1 \(expected an int >= 2"),
+    dict(desc="autotune precision step-down", kwargs=dict(offload_dir="{d}", autotune=True),
+         match=r"offload_dir cannot be combined with autotune precision step-down"),
+]
+
+
+@pytest.mark.parametrize("case", ARG_ERRORS, ids=lambda c: c["desc"])
+def test_tier_arguments_refused_in_one_line(case, tmp_path):
+    kwargs = {k: (v.format(d=tmp_path) if isinstance(v, str) else
+                  [x.format(d=tmp_path) for x in v] if isinstance(v, list) else v)
+              for k, v in case["kwargs"].items()}
+    if "page_size" in kwargs or "queue_depth" in kwargs:
+        kwargs = dict(offload_dir=OffloadConfig([tmp_path], **kwargs))
+    with pytest.raises(ValueError, match=case["match"]) as info:
+        AdamBridge([nn.Parameter(torch.randn(3))], **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_tier_directory_is_locked_to_one_optimizer(tmp_path):
+    first = AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"is in use by another optimizer; give each"):
+        AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path)
+    free = tmp_path / "free"
+    free.mkdir()
+    with pytest.raises(ValueError, match=r"in use by another optimizer"):
+        AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=[free, tmp_path])
+    AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=free)  # its lock was let go
+    del first
+    gc.collect()  # the lock goes with the optimizer
+    AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path,
+               autotune=AutoTuneConfig(tune_precision=False))  # what the autotune error suggests

@@ -108,7 +108,9 @@ class FactsMixin:
         opt = self.opt
         grad_scale = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
-        jobs = list(record.jobs.values())
+        # Index order, as sync's clip_grad_norm_ sees the parameters: the total norm sums
+        # the per-tensor norms in that order, so any other order changes its last bits.
+        jobs = sorted(record.jobs.values(), key=lambda job: job.index)
         if grad_scale is not None or found_inf is not None:
             self._note_grad_scaler(record)
             if record.failed:
@@ -139,7 +141,7 @@ class FactsMixin:
             # NOTE: the NVMe tier committed these with the unclipped gradient and keeps no
             # moments to redo them from; with clipping expected it holds them (issue 14).
             raise RuntimeError(f"clipping first fired after the NVMe tier had committed "
-                               f"parameters {filed} (offload_dir); pass max_grad_norm= or "
+                               f"parameters {sorted(filed)} (offload_dir); pass max_grad_norm= or "
                                f"clip from the first step after attach_hooks()")
 
     def _correct(self, job: Job) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, nvme, state as host_state
+from . import checkpoint, nvme, state as host_state, step_facts
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -197,11 +197,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         began = time.perf_counter()
         stats = StepStats()
         self.last_step_stats = stats
-        if not self._sync_amp():
+        if not step_facts.sync_amp(self):
             stats.skipped = True
             return loss
         if self.max_grad_norm is not None:
-            stats.grad_norm = self._sync_clip()
+            stats.grad_norm = step_facts.sync_clip(self)
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
@@ -215,31 +215,6 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         stats.num_params, stats.num_batches = len(work), int(bool(work))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
         return loss
-
-    def _sync_amp(self) -> bool:
-        """GradScaler in synchronous mode: False to skip the step, else unscale p.grad."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:
-            return False
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:
-            inv_scale = grad_scale.double().reciprocal().float()
-            by_device: dict = {}
-            for p in self._params_with_grad():
-                by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), grads in by_device.items():
-                unused = torch.zeros((), device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, unused,
-                                                                 inv_scale.to(device))
-        return True
-
-    def _sync_clip(self) -> float:
-        from . import interception
-        clip = interception.original_clip_grad_norm_()
-        return float(clip(self._params_with_grad(), self.max_grad_norm))
-
-    def _params_with_grad(self) -> list:
-        return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _collect_work(self) -> list:
         """Validate every gradient first, so a bad one leaves everything untouched."""

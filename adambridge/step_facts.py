@@ -1,4 +1,4 @@
-"""Step-wide facts in asynchronous mode: gradient norms, GradScaler's unscale, and the correction.
+"""Step-wide facts: gradient norms, GradScaler's unscale, the async correction; sync's forms.
 
 Clipping and GradScaler need a fact about the whole step (the total norm, any inf) that
 exists only after the last gradient, while asynchronous mode updates each parameter as soon
@@ -15,10 +15,13 @@ the update (DESIGN.md section 8):
   the update is moved algebraically (``correct``), an approximation the pipeline warns of;
 - GradScaler steps, and steps where the norm so far already passes the limit, are *held*:
   their updates wait for the fact and are then exact.
+
+The synchronous step's forms (``sync_amp``, ``sync_clip``: torch's own kernels on p.grad)
+are at the end.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -144,3 +147,35 @@ def redo(item: UpdateItem, saved: tuple, grad_before: torch.Tensor, backend: str
     item.master.copy_((item.master + h.step_size * (m / d)) / h.decay)
     from .functional import adamw_update
     adamw_update([item], backend)
+
+
+# --------------------------------------------------------------------------- synchronous mode
+
+
+def sync_amp(opt: Any) -> bool:
+    """GradScaler in synchronous mode: False to skip the step, else unscale each p.grad."""
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:
+        return False
+    grad_scale = getattr(opt, "grad_scale", None)
+    if grad_scale is not None:
+        inv_scale = grad_scale.double().reciprocal().float()
+        by_device: dict = {}
+        for p in _params_with_grad(opt):
+            by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_device.items():
+            unused = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, unused,
+                                                             inv_scale.to(device))
+    return True
+
+
+def sync_clip(opt: Any) -> float:
+    """``max_grad_norm`` in synchronous mode: torch's own clip_grad_norm_; the total norm."""
+    from . import interception
+    clip = interception.original_clip_grad_norm_()
+    return float(clip(_params_with_grad(opt), opt.max_grad_norm))
+
+
+def _params_with_grad(opt: Any) -> list:
+    return [p for group in opt.param_groups for p in group["params"] if p.grad is not None]

@@ -74,10 +74,10 @@ class Tier:
 
     def _place(self) -> None:
         opt = self._opt()
-        owned = [p for group in opt.param_groups for p in group["params"]]
-        if len(self._where) == len(owned):
+        # The index's size, O(1): holds() runs for every piece of every step.
+        if len(self._where) == len(opt._param_index):
             return
-        new = [p for p in owned if p not in self._where]
+        new = [p for p in opt._param_index if p not in self._where]
         if not new:
             return
         used = sum(host_state.HOST_BYTES_PER_PARAM[opt.precision] * p.numel()

@@ -18,7 +18,7 @@ the update (DESIGN.md section 8):
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import torch
 

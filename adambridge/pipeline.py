@@ -97,8 +97,10 @@ class Pipeline(FactsMixin):
         self.tuner = None
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
                    for p in self.hooked]
-        queues = [lane.queue for lane in self.lanes.values()]
-        self._finalizer = weakref.finalize(self, _shut_down, handles, queues)
+        # Weak references to the lanes, not their queues: a revived lane has a new queue, and
+        # a strong one would keep held pieces (and through them this pipeline) alive.
+        self._finalizer = weakref.finalize(self, _shut_down, handles,
+                                           [weakref.ref(lane) for lane in self.lanes.values()])
         interception.register(self)
         weakref.finalize(self, interception.release_unused)
 
@@ -415,11 +417,13 @@ def _backward_ended(pipeline_ref: "weakref.ref[Pipeline]", task: int) -> None:
         pipeline._micro += 1
 
 
-def _shut_down(handles: list, queues: list) -> None:
+def _shut_down(handles: list, lane_refs: list) -> None:
     for handle in handles:
         handle.remove()
-    for units in queues:
-        units.put(_STOP)
+    for lane_ref in lane_refs:
+        lane = lane_ref()
+        if lane is not None:  # a collected lane's worker exits by itself
+            lane.queue.put(_STOP)
 
 
 def _raise_step_error(record: StepRecord) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import pytest
 import torch
@@ -256,7 +257,7 @@ class DrainBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _drain(DrainBackward.opt)
+        _drain(DrainBackward.opt())
         DrainBackward.events.append(("drained",))
         return grad
 
@@ -265,7 +266,7 @@ def _layered(monkeypatch):
     layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
     opt, events, transport, _ = _scheduled(monkeypatch, layers, small_param_threshold=0)
     transport.land(10**9)  # every copy lands at once: the order is the backward's
-    DrainBackward.opt, DrainBackward.events = opt, events
+    DrainBackward.opt, DrainBackward.events = weakref.ref(opt), events
     x = torch.randn(4, 16)
 
     def backward():

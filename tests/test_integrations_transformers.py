@@ -1,0 +1,167 @@
+"""adambridge.integrations.transformers through the real Trainer, on CPU, on a tiny GPT-2.
+
+Every run: 7 one-row batches per epoch with gradient_accumulation_steps=2 (so each epoch
+ends on a one-batch window), a linear schedule with warmup, max_grad_norm, 6 optimizer
+steps crossing an epoch, a checkpoint every 3 steps. Async runs are compared with sync runs
+(bit for bit where clipping does not fire, to fp32 rounding where it does), and a resume
+from the step-3 checkpoint with the uninterrupted run, bit for bit.
+"""
+import os
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (test extra)")
+
+from adambridge import AdamBridge  # noqa: E402
+from adambridge.integrations.transformers import (  # noqa: E402
+    AdamBridgeCallback, optimizer_cls_and_kwargs)
+
+FIRES, NEVER_FIRES = 0.05, 1e6  # max_grad_norm below / far above this model's gradient norm
+STEPS, SAVE_EVERY = 6, 3
+TOLERANCE = dict(rtol=1e-6, atol=1e-7)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (7, 12), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Probe(transformers.TrainerCallback):
+    """Records, after each optimizer step, how many parameters had hooks and how many updated."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = optimizer.optimizer
+        hooked = 0 if opt._pipeline is None else len(opt._pipeline.hooked)
+        self.seen.append((hooked, opt.last_step_stats.num_params, opt.last_step_stats.skipped))
+
+
+def train(out: str, mode: str, max_grad_norm: float, resume: str = None) -> dict:
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
+        max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="steps",
+        save_steps=SAVE_EVERY, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    # small_param_threshold=1024: the matrices get hooks, biases and norms go at the step.
+    kwargs = optimizer_cls_and_kwargs(args, backend="torch", small_param_threshold=1024)
+    probe = Probe()
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Rows(),
+                                   optimizer_cls_and_kwargs=kwargs,
+                                   callbacks=[AdamBridgeCallback(async_mode=mode == "async"),
+                                              probe])
+    trainer.train(resume_from_checkpoint=resume)
+    return dict(snapshot(trainer), probe=probe.seen)
+
+
+def snapshot(trainer) -> dict:
+    opt = trainer.optimizer.optimizer  # under accelerate's AcceleratedOptimizer
+    assert isinstance(opt, AdamBridge) and opt._pipeline is None  # detached at train end
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    state = {n: {k: opt.state[p][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+             for n, p in trainer.model.named_parameters()}
+    norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    return dict(params=params, state=state, norms=norms, global_step=trainer.state.global_step,
+                lrs=[log["learning_rate"] for log in trainer.state.log_history
+                     if "learning_rate" in log])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for mode in ("sync", "async"):
+        for name, norm in (("fires", FIRES), ("never", NEVER_FIRES)):
+            folder = str(tmp_path_factory.mktemp(f"{mode}-{name}"))
+            out[mode, name] = train(folder, mode, norm)
+            if name == "fires":
+                checkpoint = os.path.join(folder, f"checkpoint-{SAVE_EVERY}")
+                out[mode, "resumed"] = train(folder, mode, norm, resume=checkpoint)
+    return out
+
+
+def assert_same(a: dict, b: dict, **tolerance) -> None:
+    for name in a["params"]:
+        compare = (torch.testing.assert_close if tolerance else
+                   lambda x, y, **_: torch.testing.assert_close(x, y, rtol=0, atol=0))
+        compare(a["params"][name], b["params"][name], **tolerance)
+        for key in ("exp_avg", "exp_avg_sq"):
+            compare(a["state"][name][key], b["state"][name][key], **tolerance)
+        assert int(a["state"][name]["step"]) == int(b["state"][name]["step"]) == STEPS, name
+
+
+def test_async_equals_sync_bit_for_bit_when_clipping_does_not_fire(runs):
+    sync, hooked = runs["sync", "never"], runs["async", "never"]
+    assert_same(sync, hooked)
+    assert hooked["global_step"] == STEPS and len(hooked["norms"]) == STEPS
+    # Every step went through the hooks and updated every parameter: nothing skipped.
+    total = len(sync["params"])
+    assert all(h >= 8 and n == total and not skipped for h, n, skipped in hooked["probe"])
+    assert all(h == 0 for h, _, _ in sync["probe"])
+    assert hooked["lrs"] == sync["lrs"]  # the scheduler stepped after every real step
+    torch.testing.assert_close(torch.tensor(hooked["norms"]), torch.tensor(sync["norms"]),
+                               **TOLERANCE)
+
+
+def test_async_clipping_fires_and_matches_sync_to_fp32_rounding(runs):
+    sync, hooked = runs["sync", "fires"], runs["async", "fires"]
+    assert min(hooked["norms"]) > FIRES  # the logged norm is the real one, so clipping fired
+    torch.testing.assert_close(torch.tensor(hooked["norms"]), torch.tensor(sync["norms"]),
+                               **TOLERANCE)
+    assert_same(sync, hooked, **TOLERANCE)
+    unclipped = runs["async", "never"]["params"]
+    assert any(not torch.equal(unclipped[n], hooked["params"][n]) for n in unclipped)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_from_checkpoint_equals_uninterrupted_run(runs, mode):
+    resumed, whole = runs[mode, "resumed"], runs[mode, "fires"]
+    assert resumed["global_step"] == STEPS
+    assert_same(whole, resumed)
+
+
+def test_optimizer_cls_and_kwargs_takes_adamw_settings_and_refuses_other_optimizers(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), learning_rate=3e-4,
+                                          adam_beta2=0.95, report_to=[], use_cpu=True)
+    cls, kwargs = optimizer_cls_and_kwargs(args, precision="bf16")
+    assert cls is AdamBridge
+    assert kwargs == dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, precision="bf16")
+    args.optim = "sgd"
+    with pytest.raises(ValueError, match="TrainingArguments.optim='sgd'"):
+        optimizer_cls_and_kwargs(args)
+
+
+def test_callback_refuses_what_async_mode_cannot_honour():
+    model = torch.nn.Linear(4, 4)
+    plain = types.SimpleNamespace(deepspeed=None, fsdp="", world_size=1)
+    with pytest.raises(TypeError, match="AdamW, not AdamBridge"):
+        AdamBridgeCallback().on_train_begin(plain, None, None, model=model,
+                                            optimizer=torch.optim.AdamW(model.parameters()))
+    opt = AdamBridge(model.parameters(), backend="torch")
+    for setting, value in (("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("world_size", 2)):
+        args = types.SimpleNamespace(**dict(vars(plain), **{setting: value}))
+        with pytest.raises(ValueError, match=setting):
+            AdamBridgeCallback().on_train_begin(args, None, None, model=model, optimizer=opt)
+    assert opt._pipeline is None
+    AdamBridgeCallback(async_mode=False).on_train_begin(
+        types.SimpleNamespace(deepspeed="ds.json", fsdp="", world_size=1), None, None,
+        model=model, optimizer=opt)  # sync mode: the Trainer's own handling applies

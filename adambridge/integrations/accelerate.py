@@ -1,0 +1,63 @@
+"""Hugging Face accelerate: asynchronous mode under ``accelerator.prepare`` and ``accumulate``.
+
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    adambridge.integrations.accelerate.attach_hooks(accelerator, model, optimizer)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, batch))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+``prepare`` wraps the optimizer in ``AcceleratedOptimizer``, which hides ``attach_hooks``;
+this module unwraps it. ``accelerator.accumulate`` sets ``sync_gradients`` before each
+backward, so the hooks update exactly on the backward that closes the window, and
+``AcceleratedOptimizer.step()`` calls ours on that micro-batch only.
+``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``, which the
+optimizer answers while hooks are attached. ``save_state`` / ``load_state`` go through
+``state_dict`` / ``load_state_dict`` and may be called with hooks attached.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType
+
+from ..optimizer import AdamBridge
+from ._common import unwrap_optimizer
+
+_WHO = "adambridge.integrations.accelerate.attach_hooks"
+
+
+def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> AdamBridge:
+    """Attach AdamBridge's hooks under ``accelerator``; returns the unwrapped optimizer.
+
+    ``model`` and ``optimizer`` may be what ``accelerator.prepare`` returned. The window
+    closes when ``accelerator.sync_gradients`` is True during backward (always, without
+    gradient accumulation). Remove the hooks with ``detach_hooks(optimizer)``.
+    """
+    _refuse(accelerator)
+    opt = unwrap_optimizer(optimizer, _WHO)
+    gradient_state = accelerator.gradient_state
+    opt.attach_hooks(accelerator.unwrap_model(model),
+                     closes_window=lambda: bool(gradient_state.sync_gradients))
+    return opt
+
+
+def detach_hooks(optimizer: Any) -> None:
+    """Remove the hooks of the AdamBridge under ``optimizer`` (a prepared one is fine)."""
+    unwrap_optimizer(optimizer, "adambridge.integrations.accelerate.detach_hooks").detach_hooks()
+
+
+def _refuse(accelerator: Any) -> None:
+    """Set-ups where the hooks would see gradients that accelerate still changes."""
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
+                DistributedType.XLA):
+        raise ValueError(f"{_WHO}: accelerate's {kind.value} plugin is not supported in "
+                         f"asynchronous mode; use AdamBridge without hooks (opt.step()) there")
+    if accelerator.num_processes > 1:
+        raise ValueError(f"{_WHO}: {accelerator.num_processes} processes ({kind.value}): "
+                         f"gradients are reduced after the hooks run; asynchronous mode needs "
+                         f"one process, use AdamBridge without hooks for multi-process runs")

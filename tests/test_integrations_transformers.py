@@ -7,6 +7,8 @@ steps crossing an epoch, a checkpoint every 3 steps. Async runs are compared wit
 from the step-3 checkpoint with the uninterrupted run, bit for bit.
 """
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -165,3 +167,35 @@ def test_callback_refuses_what_async_mode_cannot_honour():
     AdamBridgeCallback(async_mode=False).on_train_begin(
         types.SimpleNamespace(deepspeed="ds.json", fsdp="", world_size=1), None, None,
         model=model, optimizer=opt)  # sync mode: the Trainer's own handling applies
+
+
+def test_importing_adambridge_and_its_integrations_package_imports_no_framework():
+    code = ("import sys, adambridge, adambridge.integrations; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') "
+            "if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_step_the_grad_scaler_skips_is_reported_to_accelerate(hooked):
+    # accelerate makes no GradScaler on CPU, so the wrapper the Trainer uses is built by hand.
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    if hooked:
+        opt.attach_hooks(model)
+    scaler = torch.amp.GradScaler("cpu")
+    wrapper = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
+    wrapper.step()
+    assert opt.last_step_stats.skipped and torch.equal(before, model.weight)
+    assert not wrapper.step_was_skipped  # what accelerate alone concludes
+    AdamBridgeCallback(async_mode=hooked).on_optimizer_step(None, None, None, optimizer=wrapper)
+    assert wrapper.step_was_skipped  # so the Trainer does not step the LR schedule
+    opt.detach_hooks()

@@ -136,3 +136,28 @@ def test_attach_hooks_refuses_plugins_and_processes_it_cannot_follow():
     with pytest.raises(TypeError, match="SGD, not AdamBridge"):
         integration.attach_hooks(single, model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert opt._pipeline is None
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_step_the_grad_scaler_skips_is_skipped_for_accelerate_too(hooked):
+    # accelerate makes no GradScaler on CPU, so the prepared optimizer is wrapped by hand.
+    from accelerate.optimizer import AcceleratedOptimizer
+    accelerator = make_run("sync")[0]
+    model = torch.nn.Linear(4, 4)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    scaler = torch.amp.GradScaler("cpu")
+    wrapper = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+    if hooked:
+        integration.attach_hooks(accelerator, model, wrapper)
+    else:
+        integration.report_skipped_steps(wrapper)
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
+    wrapper.step()
+    assert opt.last_step_stats.skipped and torch.equal(before, model.weight)
+    assert wrapper.step_was_skipped  # so accelerate's scheduler does not advance
+    wrapper.zero_grad()
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    wrapper.step()
+    assert not opt.last_step_stats.skipped and not wrapper.step_was_skipped
+    integration.detach_hooks(wrapper)

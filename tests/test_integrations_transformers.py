@@ -187,15 +187,16 @@ def test_a_step_the_grad_scaler_skips_is_reported_to_accelerate(hooked):
     Accelerator(cpu=True)
     model = torch.nn.Linear(4, 4)
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
-    if hooked:
-        opt.attach_hooks(model)
     scaler = torch.amp.GradScaler("cpu")
     wrapper = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+    callback = AdamBridgeCallback(async_mode=hooked)
+    args = types.SimpleNamespace(deepspeed=None, fsdp="", world_size=1)
+    callback.on_train_begin(args, None, None, model=model, optimizer=wrapper)
+    assert (opt._pipeline is not None) == hooked
     before = model.weight.detach().clone()
     scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
     wrapper.step()
     assert opt.last_step_stats.skipped and torch.equal(before, model.weight)
-    assert not wrapper.step_was_skipped  # what accelerate alone concludes
-    AdamBridgeCallback(async_mode=hooked).on_optimizer_step(None, None, None, optimizer=wrapper)
     assert wrapper.step_was_skipped  # so the Trainer does not step the LR schedule
-    opt.detach_hooks()
+    callback.on_train_end(args, None, None)
+    assert opt._pipeline is None

@@ -16,9 +16,15 @@ backward, so the hooks update exactly on the backward that closes the window, an
 ``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``, which the
 optimizer answers while hooks are attached. ``save_state`` / ``load_state`` go through
 ``state_dict`` / ``load_state_dict`` and may be called with hooks attached.
+
+fp16 with a GradScaler: GradScaler hands AdamBridge its inf flag, so our ``step()`` runs and
+skips itself, while accelerate counts a step as skipped only when ``step()`` was not called
+(its scheduler would then advance on a skipped step). ``report_skipped_steps(optimizer)``
+(done by ``attach_hooks``; call it yourself in synchronous mode) tells accelerate.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -39,6 +45,7 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
     """
     _refuse(accelerator)
     opt = unwrap_optimizer(optimizer, _WHO)
+    report_skipped_steps(optimizer)
     gradient_state = accelerator.gradient_state
     opt.attach_hooks(accelerator.unwrap_model(model),
                      closes_window=lambda: bool(gradient_state.sync_gradients))
@@ -48,6 +55,25 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
 def detach_hooks(optimizer: Any) -> None:
     """Remove the hooks of the AdamBridge under ``optimizer`` (a prepared one is fine)."""
     unwrap_optimizer(optimizer, "adambridge.integrations.accelerate.detach_hooks").detach_hooks()
+
+
+_reporting: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def report_skipped_steps(optimizer: Any) -> None:
+    """Make a prepared optimizer's ``step_was_skipped`` true when GradScaler skipped our step."""
+    opt = unwrap_optimizer(optimizer, "adambridge.integrations.accelerate.report_skipped_steps")
+    if optimizer is opt or opt in _reporting:
+        return  # not wrapped by accelerate, or done already
+    wrapper = weakref.ref(optimizer)
+
+    def after_step(inner: Any, args: Any, kwargs: Any) -> None:
+        outer, stats = wrapper(), inner.last_step_stats
+        # accelerate sets step_was_skipped from whether its patched step() was reached.
+        if outer is not None and stats is not None and stats.skipped:
+            outer._accelerate_step_called = False
+
+    _reporting[opt] = opt.register_step_post_hook(after_step)
 
 
 def _refuse(accelerator: Any) -> None:

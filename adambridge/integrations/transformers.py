@@ -21,8 +21,9 @@ Why the callback is enough (transformers/trainer.py, ``_inner_training_loop``):
   the exact global norm (the logged ``grad_norm``) and clips the host gradients.
 - ``AcceleratedOptimizer.step()`` / ``zero_grad()`` reach ours whenever ``sync_gradients``
   is True, which is exactly the closing micro-batch: ``step()`` finishes the step.
-- fp16 with a GradScaler: a step the scaler skips is reported to accelerate at
-  ``on_optimizer_step`` (both modes), so the Trainer holds the LR schedule as with AdamW.
+- fp16 with a GradScaler: a step the scaler skips is reported to accelerate
+  (``integrations.accelerate.report_skipped_steps``, both modes), so the Trainer holds the
+  LR schedule on that step as it does with AdamW.
 
 The hooks are removed at ``on_train_end``, and before attaching again if an earlier
 ``train()`` ended in an exception.
@@ -69,6 +70,8 @@ class AdamBridgeCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(kwargs.get("optimizer"), _WHO)
+        from .accelerate import report_skipped_steps
+        report_skipped_steps(kwargs["optimizer"])
         if not self.async_mode:
             return
         _refuse_async_settings(args)
@@ -81,15 +84,6 @@ class AdamBridgeCallback(TrainerCallback):
         opt.attach_hooks(kwargs["model"],
                          closes_window=lambda: bool(gradient_state.sync_gradients))
         self._attached = opt
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # GradScaler hands AdamBridge its inf flag (_step_supports_amp_scaling), so our step
-        # runs and skips itself; accelerate counts a step as skipped only when step() was
-        # not called, and the Trainer would advance the LR schedule. Tell it, as for AdamW.
-        wrapper = kwargs.get("optimizer")
-        stats = unwrap_optimizer(wrapper, _WHO).last_step_stats
-        if stats is not None and stats.skipped and hasattr(wrapper, "_is_overflow"):
-            wrapper._is_overflow = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

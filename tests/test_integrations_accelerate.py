@@ -161,3 +161,18 @@ def test_a_step_the_grad_scaler_skips_is_skipped_for_accelerate_too(hooked):
     wrapper.step()
     assert not opt.last_step_stats.skipped and not wrapper.step_was_skipped
     integration.detach_hooks(wrapper)
+
+
+def test_readme_accelerate_example_runs():
+    from _readme import example
+    accelerator, model, _, _, loader = make_run("sync")  # only for a model and a loader
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    code = example("accelerate (`prepare`, `accumulate`")
+    names = dict(model=model, loader=loader.base_dataloader,
+                 loss_fn=torch.nn.functional.mse_loss)
+    exec(compile(code, "README.md", "exec"), names)
+    opt = names["opt"].optimizer
+    assert opt._pipeline is not None and not opt.last_step_stats.skipped
+    assert {int(s["step"]) for s in opt.state.values()} == {2}  # 7 batches, 4 per window
+    opt.detach_hooks()

@@ -190,3 +190,20 @@ def test_async_mode_refuses_strategies_that_reduce_or_shard_gradients():
 
     with pytest.raises(ValueError, match="single-device strategy, not DDPStrategy"):
         integration._refuse_async_settings(types.SimpleNamespace(strategy=DDPStrategy()))
+
+
+def test_readme_lightning_example_runs():
+    from _readme import example
+
+    class Base(Tiny):  # what the example's `...` stands for
+        pass
+
+    code = example("Lightning, automatic optimization")
+    code = code.replace("lightning.LightningModule", "Base").replace("max_steps=1000",
+                                                                      "max_steps=2")
+    code = code.replace("Trainer(", "Trainer(accelerator='cpu', logger=False, "
+                                    "enable_checkpointing=False, enable_progress_bar=False, ")
+    names = dict(Base=Base)
+    exec(compile(code, "README.md", "exec"), names)
+    trainer = names["trainer"]
+    assert trainer.global_step == 2 and trainer.optimizers[0]._pipeline is None

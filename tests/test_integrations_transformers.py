@@ -200,3 +200,14 @@ def test_a_step_the_grad_scaler_skips_is_reported_to_accelerate(hooked):
     assert wrapper.step_was_skipped  # so the Trainer does not step the LR schedule
     callback.on_train_end(args, None, None)
     assert opt._pipeline is None
+
+
+def test_readme_trainer_example_runs(tmp_path, monkeypatch):
+    from _readme import example
+    monkeypatch.chdir(tmp_path)  # the example writes to ./out
+    code = example("Hugging Face `Trainer` (`max_grad_norm`")
+    names = dict(model=tiny_gpt2(), train_dataset=Rows())
+    exec(compile(code, "README.md", "exec"), names)
+    trainer = names["trainer"]
+    assert trainer.state.global_step == 3  # 3 epochs of one 7-row batch (the default 8 rows)
+    assert all(int(s["step"]) == 3 for s in trainer.optimizer.optimizer.state.values())

@@ -161,6 +161,13 @@ def test_a_step_the_grad_scaler_skips_is_skipped_for_accelerate_too(hooked):
     wrapper.step()
     assert not opt.last_step_stats.skipped and not wrapper.step_was_skipped
     integration.detach_hooks(wrapper)
+    again = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)  # a new prepare()
+    integration.report_skipped_steps(again)
+    integration.report_skipped_steps(again)  # once per wrapper: one hook, on the new one
+    again.zero_grad()
+    scaler.scale(model(torch.ones(1, 4)).sum() * float("nan")).backward()
+    again.step()
+    assert again.step_was_skipped and len(opt._optimizer_step_post_hooks) == 1
 
 
 def test_readme_accelerate_example_runs():

@@ -98,6 +98,8 @@ def runs(tmp_path_factory):
             if name == "fires":
                 checkpoint = os.path.join(folder, f"checkpoint-{SAVE_EVERY}")
                 out[mode, "resumed"] = train(folder, mode, norm, resume=checkpoint)
+    # max_grad_norm=0: the Trainer only measures the norm (clip_grad_norm_ with max_norm=inf).
+    out["async", "off"] = train(str(tmp_path_factory.mktemp("async-off")), "async", 0.0)
     return out
 
 
@@ -122,6 +124,12 @@ def test_async_equals_sync_bit_for_bit_when_clipping_does_not_fire(runs):
     assert hooked["lrs"] == sync["lrs"]  # the scheduler stepped after every real step
     torch.testing.assert_close(torch.tensor(hooked["norms"]), torch.tensor(sync["norms"]),
                                **TOLERANCE)
+
+
+def test_async_norm_logging_without_clipping_changes_nothing(runs):
+    assert_same(runs["sync", "never"], runs["async", "off"])
+    torch.testing.assert_close(torch.tensor(runs["async", "off"]["norms"]),
+                               torch.tensor(runs["sync", "never"]["norms"]), **TOLERANCE)
 
 
 def test_async_clipping_fires_and_matches_sync_to_fp32_rounding(runs):

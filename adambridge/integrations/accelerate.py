@@ -63,8 +63,14 @@ _reporting: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def report_skipped_steps(optimizer: Any) -> None:
     """Make a prepared optimizer's ``step_was_skipped`` true when GradScaler skipped our step."""
     opt = unwrap_optimizer(optimizer, "adambridge.integrations.accelerate.report_skipped_steps")
-    if optimizer is opt or opt in _reporting:
-        return  # not wrapped by accelerate, or done already
+    if optimizer is opt:
+        return  # not wrapped by accelerate
+    previous = _reporting.pop(opt, None)
+    if previous is not None:
+        if previous[1]() is optimizer:
+            _reporting[opt] = previous  # this wrapper is told already
+            return
+        previous[0].remove()  # a new prepare() wrapped it again: report to the new wrapper
     wrapper = weakref.ref(optimizer)
 
     def after_step(inner: Any, args: Any, kwargs: Any) -> None:
@@ -73,7 +79,7 @@ def report_skipped_steps(optimizer: Any) -> None:
         if outer is not None and stats is not None and stats.skipped:
             outer._accelerate_step_called = False
 
-    _reporting[opt] = opt.register_step_post_hook(after_step)
+    _reporting[opt] = (opt.register_step_post_hook(after_step), wrapper)
 
 
 def _refuse(accelerator: Any) -> None:

@@ -76,9 +76,6 @@ class AdamBridgeCallback(TrainerCallback):
             return
         _refuse_async_settings(args)
         self._detach()  # an earlier train() that raised left them on
-        if opt._pipeline is not None:
-            raise RuntimeError(f"{_WHO}(async_mode=True): the optimizer already has hooks "
-                               f"attached; do not call opt.attach_hooks() yourself")
         from accelerate.state import GradientState
         gradient_state = GradientState()  # the Trainer's accelerator shares this state
         opt.attach_hooks(kwargs["model"],

@@ -98,7 +98,7 @@ def _refuse_async_settings(args: Any) -> None:
                          f"deepspeed (DeepSpeed owns the step); use async_mode=False or drop it")
     if args.fsdp:
         raise ValueError(f"{_WHO}(async_mode=True) does not support TrainingArguments.fsdp "
-                         f"yet; use async_mode=False")
+                         f"(FSDP shards gradients after the hooks run); use async_mode=False")
     if args.world_size > 1:
         raise ValueError(f"{_WHO}(async_mode=True) runs on one process (world_size is "
                          f"{args.world_size}: gradients are reduced after the hooks run); use "

@@ -25,6 +25,9 @@ from adambridge.integrations.transformers import (  # noqa: E402
 FIRES, NEVER_FIRES = 0.05, 1e6  # max_grad_norm below / far above this model's gradient norm
 STEPS, SAVE_EVERY = 6, 3
 TOLERANCE = dict(rtol=1e-6, atol=1e-7)
+# transformers 5 renamed gradient_checkpointing (the old name warns, and goes in v6).
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing"
+                 in transformers.TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
 
 
 class Rows(torch.utils.data.Dataset):
@@ -105,7 +108,7 @@ def runs(tmp_path_factory):
         # threshold=32: ln_f gets a hook too, so the outer pass has one before the inner ones
         out[mode, "checkpointing"] = train(
             str(tmp_path_factory.mktemp(f"{mode}-gc")), mode, NEVER_FIRES, threshold=32,
-            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+            **{CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}})
     return out
 
 

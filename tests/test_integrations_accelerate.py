@@ -176,6 +176,9 @@ def test_readme_accelerate_example_runs():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     code = example("accelerate (`prepare`, `accumulate`")
+    # The torch backend: the test does not wait for the kernel to build (results are equal).
+    code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
+    assert 'backend="torch"' in code
     names = dict(model=model, loader=loader.base_dataloader,
                  loss_fn=torch.nn.functional.mse_loss)
     exec(compile(code, "README.md", "exec"), names)

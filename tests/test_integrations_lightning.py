@@ -199,6 +199,9 @@ def test_readme_lightning_example_runs():
         pass
 
     code = example("Lightning, automatic optimization")
+    # The torch backend: the test does not wait for the kernel to build (results are equal).
+    code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
+    assert 'backend="torch"' in code
     code = code.replace("lightning.LightningModule", "Base").replace("max_steps=1000",
                                                                       "max_steps=2")
     code = code.replace("Trainer(", "Trainer(accelerator='cpu', logger=False, "

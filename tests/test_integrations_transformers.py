@@ -229,6 +229,9 @@ def test_readme_trainer_example_runs(tmp_path, monkeypatch):
     from _readme import example
     monkeypatch.chdir(tmp_path)  # the example writes to ./out
     code = example("Hugging Face `Trainer` (`max_grad_norm`")
+    # The torch backend: the test does not wait for the kernel to build (results are equal).
+    code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
+    assert 'backend="torch"' in code
     names = dict(model=tiny_gpt2(), train_dataset=Rows())
     exec(compile(code, "README.md", "exec"), names)
     trainer = names["trainer"]

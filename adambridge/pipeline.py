@@ -20,7 +20,8 @@ Who waits on whom (DESIGN.md section 5; the copies themselves are in transport.p
 Accumulation: a backward pass updates only if it closes the accumulation window: outside
 ``opt.accumulate()``, and the N-th of ``accumulation_steps=N`` (or when ``closes_window()``
 says so). Backward passes are counted by an engine callback queued at the first hook of
-each pass, which also tells a pass that never finished (an exception or Ctrl-C inside
+each pass (a pass run inside another, as reentrant activation checkpointing does, is part
+of it), which also tells a pass that never finished (an exception or Ctrl-C inside
 backward): the step then fails at finish, naming what it had updated.
 
 Faults. Everything that can make a gradient unusable is checked in the hook, before the
@@ -88,7 +89,7 @@ class Pipeline(FactsMixin):
         self._warm = False          # False until a step has completed: that step is held
         self._accumulating = 0
         self._micro = 0             # backward passes ended in this accumulation window
-        self._open_task: Optional[int] = None  # graph task whose end callback is pending
+        self._open_tasks: set = set()  # graph tasks whose end callback is pending
         self._used: dict = {}       # p -> (weakref of the kept p.grad, its version) used
         self.uses_grad_scaler = False
         self.clips_by_value = False
@@ -97,8 +98,10 @@ class Pipeline(FactsMixin):
         self.tuner = None
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
                    for p in self.hooked]
-        queues = [lane.queue for lane in self.lanes.values()]
-        self._finalizer = weakref.finalize(self, _shut_down, handles, queues)
+        # Weak references to the lanes, not their queues: a revived lane has a new queue, and
+        # a strong one would keep held pieces (and through them this pipeline) alive.
+        self._finalizer = weakref.finalize(self, _shut_down, handles,
+                                           [weakref.ref(lane) for lane in self.lanes.values()])
         interception.register(self)
         weakref.finalize(self, interception.release_unused)
 
@@ -146,17 +149,18 @@ class Pipeline(FactsMixin):
 
     def _track_backward(self) -> None:
         task = torch._C._current_graph_task_id()
-        if task == self._open_task:
+        if task in self._open_tasks:
             return
-        if self._open_task is not None:
-            self._backward_interrupted()
-        self._open_task = task
+        # A pass that starts while another is open either runs inside it (reentrant
+        # activation checkpointing calls backward from backward) or follows one that raised.
+        # Only the second is still open when the step finishes: finish tells them apart.
+        self._open_tasks.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_backward_ended, weakref.ref(self), task))
 
     def _backward_interrupted(self) -> None:
         # A pass whose end callback never ran raised inside backward.
-        self._open_task = None
+        self._open_tasks.clear()
         if self._record is not None and not self._record.failed:
             self._record.fail(RuntimeError(
                 "a backward pass of this step did not finish (an exception or "
@@ -286,7 +290,7 @@ class Pipeline(FactsMixin):
             record.fail(RuntimeError(f"the adambridge worker thread for "
                                      f"{revived[0].transport.device} had died; a new one runs "
                                      f"from the next step"))
-        if self._open_task is not None:
+        if self._open_tasks:
             self._backward_interrupted()
         # Without a step-wide fact to come, what lands now is final: keep updating it.
         self.send_rest(record, hold=self.facts_pending())
@@ -413,16 +417,19 @@ def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], Non
 
 def _backward_ended(pipeline_ref: "weakref.ref[Pipeline]", task: int) -> None:
     pipeline = pipeline_ref()
-    if pipeline is not None and pipeline._open_task == task:
-        pipeline._open_task = None
-        pipeline._micro += 1
+    if pipeline is not None and task in pipeline._open_tasks:
+        pipeline._open_tasks.discard(task)
+        if not pipeline._open_tasks:
+            pipeline._micro += 1  # the outermost pass ended: one more backward of the window
 
 
-def _shut_down(handles: list, queues: list) -> None:
+def _shut_down(handles: list, lane_refs: list) -> None:
     for handle in handles:
         handle.remove()
-    for units in queues:
-        units.put(_STOP)
+    for lane_ref in lane_refs:
+        lane = lane_ref()
+        if lane is not None:  # a collected lane's worker exits by itself
+            lane.queue.put(_STOP)
 
 
 def _raise_step_error(record: StepRecord) -> None:

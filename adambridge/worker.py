@@ -167,6 +167,7 @@ class Lane:
         """Start a new worker thread if the old one has died; True if it had."""
         if self.thread.is_alive():
             return False
+        _discard(self.queue)  # what the dead thread left holds the step's jobs alive
         self.queue = queue.SimpleQueue()
         self._held, self._deferred = [], []
         self.thread = self._start_thread()
@@ -328,6 +329,14 @@ class Lane:
                 writeback.send()
             except Exception as exc:  # noqa: BLE001
                 record.fail(exc, f"the copy back to {self.transport.device}")
+
+
+def _discard(units: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            units.get_nowait()
+        except queue.Empty:
+            return
 
 
 def _keep_moments(batch: list[Piece], items: list) -> None:

@@ -29,7 +29,10 @@ def _data(n: int) -> list:
 
 def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
          steps: int = 6, torch_clip_from: int = 0, release_grads: bool = True):
-    """clip='arg' (max_grad_norm), 'torch' (clip_grad_norm_ each step from torch_clip_from)."""
+    """clip='arg' (max_grad_norm), 'torch' (clip_grad_norm_ each step from torch_clip_from).
+
+    With hooks, the worker is let finish what has landed before each clip call, so the
+    speculative updates the correction path is for have happened (deterministically)."""
     model = _model()
     opt = AdamBridge(model.parameters(), lr=1e-2, weight_decay=0.1, backend="torch",
                      precision=precision, small_param_threshold=100, chunk_size=512,
@@ -40,6 +43,9 @@ def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
     norms = []
     for i, (x, y) in enumerate(_data(steps)):
         (((model(x) - y) ** 2).mean() * 20).backward()
+        if hooks:
+            for lane in opt._pipeline.lanes.values():
+                lane.wait(lane.call(lambda: None))
         if clip == "torch" and i >= torch_clip_from:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
@@ -199,7 +205,9 @@ def test_clipping_nonfinite_norm_raises_like_torch():
 def test_clipping_torch_functions_are_restored_after_detach():
     import gc
     import torch.nn.utils.clip_grad as clip_grad
+    from adambridge import interception
     gc.collect()  # optimizers of earlier tests, and their pipelines, are gone
+    assert not list(interception._pipelines), "an earlier test keeps an optimizer alive"
     original = torch.nn.utils.clip_grad_norm_
     model = _model()
     opt = AdamBridge(model.parameters(), backend="torch")

@@ -213,3 +213,54 @@ def test_fault_hung_kernel_call_is_bounded_and_names_the_worker(monkeypatch):
             opt.step()
     finally:
         release.set()
+
+
+def test_fault_with_overlap_writeback_off_committed_parameters_still_get_their_weights(
+        monkeypatch):
+    # Non-contiguous parameters are copied back, not written in place: with the copies
+    # deferred to the step's end, a failed batch must not keep them from committed ones.
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 16).t()) for _ in range(3)]
+    opt = AdamBridge(params, lr=1e-2, backend="torch", small_param_threshold=0,
+                     overlap_writeback=False)
+    opt.attach_hooks(nn.ParameterList(params))
+    x = torch.randn(4, 16)
+
+    def backward():
+        h = x
+        for p in params:  # drained between layers: one parameter per batch, last first
+            h = Drain.apply(torch.tanh(h @ p), opt)
+        h.sum().backward()
+
+    backward()
+    opt.step()
+    real, first_master = worker.adamw_update, opt.state[params[0]]["master"]
+
+    def failing(items, backend):
+        if any(i.master.data_ptr() == first_master.data_ptr() for i in items):
+            raise MemoryError("simulated")
+        real(items, backend)
+
+    monkeypatch.setattr(worker, "adamw_update", failing)
+    opt.zero_grad()
+    backward()
+    with pytest.raises(RuntimeError, match=r"MemoryError: simulated.*already updated "
+                                           r"parameters \[1, 2\]"):
+        opt.step()
+    assert [int(opt.state[p]["step"]) for p in params] == [1, 2, 2]
+    for p in params[1:]:  # committed: the parameter holds its new master
+        assert torch.equal(p.detach().reshape(-1), opt.state[p]["master"].view(p.shape).reshape(-1))
+
+
+class Drain(torch.autograd.Function):
+    """Identity; its backward lets the worker handle what has landed before going on."""
+
+    @staticmethod
+    def forward(ctx, x, opt):
+        ctx.opt = opt
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _settle(ctx.opt)
+        return grad, None

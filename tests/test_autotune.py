@@ -1,14 +1,13 @@
 """The tuner (autotune.py): thread choice, precision step-down with keep/revert, the log."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 from torch import nn
 
 from adambridge import AdamBridge, AutoTuneConfig
-from adambridge import autotune, worker
+from adambridge import autotune
 
 
 def test_autotune_thread_candidates_are_powers_of_two_then_the_max():
@@ -85,15 +84,18 @@ def test_autotune_precision_decisions(case):
     assert all(d.kind == "precision" and d.reason for d in log)
 
 
-@pytest.mark.parametrize("bf16_delay,kept", [(0.002, True), (0.06, False)], ids=["kept", "reverted"])
-def test_autotune_steps_down_state_on_the_workers(monkeypatch, bf16_delay, kept):
-    real = worker.adamw_update
+@pytest.mark.parametrize("bf16_host_s,kept", [(0.002, True), (0.06, False)],
+                         ids=["kept", "reverted"])
+def test_autotune_steps_down_state_on_the_workers(monkeypatch, bf16_host_s, kept):
+    # Injected timings, not sleeps: the tuner sees 30 ms of host update per fp32 step,
+    # bf16_host_s per bf16 step, and 10 ms of backward, whatever the machine is doing.
+    real_after = autotune.Tuner.after_step
 
-    def slow_update(items, backend):  # fp32 moments slow, bf16 as slow as bf16_delay says
-        time.sleep(0.03 if items[0].precision == "fp32" else bf16_delay)
-        real(items, backend)
+    def after_step(self, pipeline, stats, backward_s):
+        stats.host_update_s = 0.03 if pipeline.opt.precision == "fp32" else bf16_host_s
+        real_after(self, pipeline, stats, backward_s=0.01)
 
-    monkeypatch.setattr(worker, "adamw_update", slow_update)
+    monkeypatch.setattr(autotune.Tuner, "after_step", after_step)
     model = nn.Linear(16, 16)
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0,
                      autotune=AutoTuneConfig(warmup_steps=1))

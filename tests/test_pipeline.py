@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
+import weakref
 
 import pytest
 import torch
@@ -171,100 +171,21 @@ def test_detach_hooks_returns_to_step_and_stats_are_filled():
 # --------------------------------------------------------------------------- the schedule
 
 
-class SlowTicket:
-    def __init__(self, lands_at: float) -> None:
-        self.lands_at = lands_at
-
-    def ready(self) -> bool:
-        return time.perf_counter() >= self.lands_at
-
-    def wait(self) -> None:
-        while not self.ready():
-            time.sleep(max(0.0, self.lands_at - time.perf_counter()))
-
-
-class SlowTransport(HostTransport):
-    """Host transport whose copies take ``latency`` each, one after another like a stream."""
-
-    def __init__(self, device, latency: float, events: list) -> None:
-        super().__init__(device)
-        self.latency, self.events, self.busy_until = latency, events, 0.0
-
-    def grad_to_host(self, p, grad, ranges, with_values):
-        flat, _ = super().grad_to_host(p, grad, ranges, with_values)
-        tickets = []
-        for start, _end in ranges:
-            self.busy_until = max(time.perf_counter(), self.busy_until) + self.latency
-            self.events.append(("land", id(p), start, self.busy_until))
-            tickets.append(SlowTicket(self.busy_until))
-        return flat, tickets
-
-    def to_device(self, p, start, end):
-        self.events.append(("h2d", id(p), start, time.perf_counter()))
-        super().to_device(p, start, end)
-
-
-def _scheduled(monkeypatch, model, *, latency, kernel_s=0.0, **opt_args):
-    events: list = []
-    real = worker.adamw_update
-
-    def recording_update(items, backend):
-        began = time.perf_counter()
-        if kernel_s:
-            time.sleep(kernel_s)
-        real(items, backend)
-        events.append(("batch", [(id(i.master.untyped_storage()), i.offset) for i in items],
-                       began, time.perf_counter()))
-
-    monkeypatch.setattr(worker, "adamw_update", recording_update)
-    opt = AdamBridge(model.parameters(), backend="torch", **opt_args)
-    pipeline.attach(opt, model, make_transport=lambda d: SlowTransport(d, latency, events))
-    return opt, events
-
-
-class SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.02)
-        return grad
-
-
-def test_schedule_updates_run_while_backward_runs(monkeypatch):
-    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
-    opt, events = _scheduled(monkeypatch, layers, latency=0.001, small_param_threshold=0)
-    x = torch.randn(4, 16)
-
-    def backward():
-        h = x
-        for layer in layers:
-            h = SlowBackward.apply(torch.tanh(layer(h)))
-        h.sum().backward()
-
-    backward()
-    opt.step_sync()  # the first step is held until step_sync; watch the second
-    events.clear()
-    backward()
-    backward_done = time.perf_counter()
-    opt.step_sync()
-    batches = [e for e in events if e[0] == "batch"]
-    assert len([b for b in batches if b[3] < backward_done]) >= 2, batches
-
-
 class ManualTransport(HostTransport):
-    """Copies land only when the test says so (``land(n)``: the first n copies ever made)."""
+    """Copies land only when the test says so (``land(n)``: the first n copies ever made).
 
-    def __init__(self, device) -> None:
+    No test of the schedule depends on timing: copies land when told, and ``events``
+    records the order of landings, updates and copies back."""
+
+    def __init__(self, device, events: list) -> None:
         super().__init__(device)
-        self.made, self.landed = 0, 0
+        self.made, self.landed, self.events = 0, 0, events
         self.cond = threading.Condition()
 
     def land(self, n: int) -> None:
         with self.cond:
             self.landed = n
+            self.events.append(("land", n))
             self.cond.notify_all()
 
     def grad_to_host(self, p, grad, ranges, with_values):
@@ -274,6 +195,10 @@ class ManualTransport(HostTransport):
             tickets.append(ManualTicket(self, self.made))
             self.made += 1
         return flat, tickets
+
+    def to_device(self, p, start, end):
+        self.events.append(("h2d", id(p), start))
+        super().to_device(p, start, end)
 
 
 class ManualTicket:
@@ -288,13 +213,100 @@ class ManualTicket:
             assert self.transport.cond.wait_for(self.ready, timeout=10)
 
 
+def _scheduled(monkeypatch, model, **opt_args):
+    """An optimizer on a ManualTransport whose kernel calls are recorded as ("batch", ...)."""
+    events: list = []
+    batch_done = threading.Semaphore(0)
+    real = worker.adamw_update
+
+    def recording_update(items, backend):
+        real(items, backend)
+        events.append(("batch", [(id(i.master.untyped_storage()), i.offset) for i in items]))
+
+    real_run = worker.Lane.run
+
+    def counted_run(self, batch, speculative=False):  # released even by a failing batch
+        try:
+            real_run(self, batch, speculative)
+        finally:
+            batch_done.release()
+
+    monkeypatch.setattr(worker, "adamw_update", recording_update)
+    monkeypatch.setattr(worker.Lane, "run", counted_run)
+    opt = AdamBridge(model.parameters(), backend="torch", **opt_args)
+    transports: list = []
+    pipeline.attach(opt, model, make_transport=lambda d: transports.append(
+        ManualTransport(d, events)) or transports[-1])
+    return opt, events, transports[0], batch_done
+
+
+def _drain(opt) -> None:
+    for lane in opt._pipeline.lanes.values():  # the worker has handled all that was queued
+        lane.wait(lane.call(lambda: None))
+
+
+class DrainBackward(torch.autograd.Function):
+    """Identity; its backward first lets the worker handle every gradient that has landed,
+    so "updated during backward" is a fact of the order of events, not of timing."""
+
+    opt = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _drain(DrainBackward.opt())
+        DrainBackward.events.append(("drained",))
+        return grad
+
+
+def _layered(monkeypatch):
+    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+    opt, events, transport, _ = _scheduled(monkeypatch, layers, small_param_threshold=0)
+    transport.land(10**9)  # every copy lands at once: the order is the backward's
+    DrainBackward.opt, DrainBackward.events = weakref.ref(opt), events
+    x = torch.randn(4, 16)
+
+    def backward():
+        h = x
+        for layer in layers:
+            h = DrainBackward.apply(torch.tanh(layer(h)))
+        h.sum().backward()
+    return opt, events, backward
+
+
+def test_schedule_updates_run_while_backward_runs(monkeypatch):
+    opt, events, backward = _layered(monkeypatch)
+    backward()
+    opt.step_sync()  # the first step is held until step_sync; watch the second
+    events.clear()
+    backward()
+    last_drain = max(i for i, e in enumerate(events) if e[0] == "drained")
+    opt.step_sync()
+    during = [e for e in events[:last_drain] if e[0] == "batch"]
+    assert len(during) >= 5, events  # every layer but the first updated inside backward
+
+
+def test_schedule_first_step_after_attach_updates_nothing_before_the_step(monkeypatch):
+    # The worker is given every chance (drained inside backward): a held step still waits.
+    opt, events, backward = _layered(monkeypatch)
+    backward()
+    assert not [e for e in events if e[0] == "batch"], events
+    assert not any(opt.state[p] for p in opt._pipeline.owned)
+    opt.step_sync()
+    assert [e for e in events if e[0] == "batch"]
+    assert all(int(opt.state[p]["step"]) == 1 for p in opt._pipeline.owned)
+
+
 def test_schedule_batches_grow_under_load(monkeypatch):
     # While the kernel is busy with the first landed gradient, the other 23 land: the
     # worker then takes all of them in one call.
     layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(12)))
     opt = AdamBridge(layers.parameters(), backend="torch", small_param_threshold=0)
     transports = []
-    pipeline.attach(opt, layers, make_transport=lambda d: transports.append(ManualTransport(d))
+    pipeline.attach(opt, layers, make_transport=lambda d: transports.append(ManualTransport(d, []))
                     or transports[-1])
     transport, x = transports[0], torch.randn(2, 8)
     transport.land(10**9)
@@ -323,20 +335,25 @@ def test_schedule_batches_grow_under_load(monkeypatch):
 
 def test_schedule_chunks_overlap_copies_and_updates(monkeypatch):
     holder = nn.ParameterList([nn.Parameter(torch.randn(4096))])
-    opt, events = _scheduled(monkeypatch, holder, latency=0.01, chunk_size=512,
-                             small_param_threshold=0)
-    for _ in range(2):
-        events.clear()
-        (holder[0] ** 2).sum().backward()
-        opt.step_sync()
-    lands = sorted(e[3] for e in events if e[0] == "land")
-    batches = [e for e in events if e[0] == "batch"]
-    h2d = sorted(e[3] for e in events if e[0] == "h2d")
-    offsets = [offset for b in batches for _, offset in b[1]]
-    assert len(lands) == 8 and sorted(offsets) == list(range(0, 4096, 512))
-    assert len(batches) >= 2, batches
-    assert batches[0][2] < lands[-1]   # chunk 0 is updated while later chunks still copy
-    assert len(h2d) == 8 and h2d[0] < batches[-1][2]  # ... and sent back before the last update
+    opt, events, transport, batch_done = _scheduled(monkeypatch, holder, chunk_size=512,
+                                                    small_param_threshold=0)
+    transport.land(10**9)
+    (holder[0] ** 2).sum().backward()
+    opt.step_sync()  # the first step is held; watch the second
+    events.clear()
+    while batch_done.acquire(blocking=False):  # forget the first step's batches
+        pass
+    first = transport.made
+    transport.land(first)          # from now on nothing lands unless the test says so
+    (holder[0] ** 2).sum().backward()
+    transport.land(first + 1)      # only chunk 0 has landed
+    assert batch_done.acquire(timeout=10)
+    assert ("h2d", id(holder[0]), 0) in events  # updated and sent back ...
+    transport.land(first + 8)      # ... before the other seven chunks landed
+    opt.step_sync()
+    offsets = sorted(o for e in events if e[0] == "batch" for _, o in e[1])
+    assert offsets == list(range(0, 4096, 512))
+    assert len([e for e in events if e[0] == "h2d"]) == 8
 
 
 # --------------------------------------------------------------------------- faults
@@ -389,33 +406,42 @@ def test_fault_replaced_parameter_fails_before_any_update():
 
 def test_fault_in_kernel_is_raised_by_step_sync_with_what_was_updated(monkeypatch):
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
-    # Copies 20 ms apart: one parameter per batch, so the failure comes after earlier updates.
-    opt, _ = _scheduled(monkeypatch, model, latency=0.02, small_param_threshold=0)
+    opt, _, transport, batch_done = _scheduled(monkeypatch, model, small_param_threshold=0)
     x = torch.randn(2, 8)
+    transport.land(10**9)
     model(x).sum().backward()
     opt.step_sync()
-    real, first = worker.adamw_update, model[0].weight
+    recording, first = worker.adamw_update, model[0].weight
 
     def failing(items, backend):
         if any(i.master.data_ptr() == first.data_ptr() for i in items):
             raise MemoryError("simulated")
-        real(items, backend)
+        recording(items, backend)
 
     monkeypatch.setattr(worker, "adamw_update", failing)
     params = list(model.parameters())
     before = _snapshot(opt, params)
+    while batch_done.acquire(blocking=False):  # forget the first step's batches
+        pass
+    start = transport.made
+    transport.land(start)          # from now on nothing lands unless the test says so
     model(x).sum().backward()
+    for n in range(1, 7):  # one copy lands per batch: the failure follows other updates
+        transport.land(start + n)
+        assert batch_done.acquire(timeout=10)
     with pytest.raises(RuntimeError, match=r"update worker for cpu failed \(MemoryError: "
-                                           r"simulated\); this step had already updated"):
+                                           r"simulated\); this step had already updated "
+                                           r"parameters \[(\d, )*\d\]"):
         opt.step_sync()
     stepped = [int(opt.state[p]["step"]) for p in params]
-    assert stepped[0] == 1 and stepped[-1] == 2  # each parameter took the step, or not
-    untouched = [i for i, s in enumerate(stepped) if s == 1]
+    assert stepped[0] == 1 and stepped[2:] == [2, 2, 2, 2]  # each took the step, or not
+    untouched = [i for i, step in enumerate(stepped) if step == 1]
     _assert_unchanged(opt, [params[i] for i in untouched],
                       ([before[0][i] for i in untouched], [before[1][i] for i in untouched]))
-    monkeypatch.setattr(worker, "adamw_update", real)
+    monkeypatch.setattr(worker, "adamw_update", recording)
     opt.zero_grad()
     model(x).sum().backward()
+    transport.land(10**9)
     opt.step_sync()  # the pipeline is usable again after a failed step
 
 

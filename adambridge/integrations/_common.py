@@ -1,0 +1,19 @@
+"""What every adapter needs: finding the AdamBridge inside a framework's optimizer wrapper."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..optimizer import AdamBridge
+
+
+def unwrap_optimizer(optimizer: Any, who: str) -> AdamBridge:
+    """The AdamBridge under framework wrappers (accelerate, Lightning), or a one-line error."""
+    inner, seen = optimizer, set()
+    # AcceleratedOptimizer and LightningOptimizer both expose the wrapped one as .optimizer.
+    while not isinstance(inner, AdamBridge) and hasattr(inner, "optimizer") and id(inner) not in seen:
+        seen.add(id(inner))
+        inner = inner.optimizer
+    if not isinstance(inner, AdamBridge):
+        raise TypeError(f"{who}: the optimizer is {type(inner).__name__}, not AdamBridge; "
+                        f"build it with adambridge.AdamBridge")
+    return inner

@@ -1,0 +1,135 @@
+"""Mutation run: apply each hand-written mutant to the source, run the tests that should catch it.
+
+Each mutant is one realistic bug (a dropped term, a flipped comparison, a skipped check),
+written as an exact text replacement in one file, with the test files that should fail.
+A mutant whose text is no longer in the file is reported as "stale" (the code moved on:
+update the table). The file is restored after every mutant, whatever happens.
+
+  python scripts/mutants.py                 # every mutant
+  python scripts/mutants.py --only kernel   # mutants whose name contains 'kernel'
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, file, original text, mutated text, test files)
+MUTANTS = [
+    ("optimizer: GradScaler skip inverted", "adambridge/optimizer.py",
+     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:\n            return False",
+     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) < 0:\n            return False",
+     ["tests/test_async_amp.py"]),
+    ("step_facts: clip coefficient without torch's 1e-6", "adambridge/step_facts.py",
+     "max_norm / (total + _CLIP_EPS)", "max_norm / total", ["tests/test_async_clipping.py"]),
+    ("step_facts: redo forgets to recover the master", "adambridge/step_facts.py",
+     "    item.master.copy_((item.master + h.step_size * (m / d)) / h.decay)\n", "",
+     ["tests/test_async_clipping.py"]),
+    ("step_facts: correct uses beta1 for (1-beta1)", "adambridge/step_facts.py",
+     "m = m_s + (g_new - g_old) * h.one_minus_beta1", "m = m_s + (g_new - g_old) * h.beta1",
+     ["tests/test_async_clipping.py"]),
+    ("pipeline: accumulation window off by one", "adambridge/pipeline.py",
+     "return (self._micro + 1) % self.accumulation_steps == 0",
+     "return self._micro % self.accumulation_steps == 0", ["tests/test_async_protocol.py"]),
+    ("pipeline: a kept gradient is used twice", "adambridge/pipeline.py",
+     "used[0]() is p.grad and used[1] == p.grad._version", "False",
+     ["tests/test_async_protocol.py"]),
+    ("pipeline: param_groups not looked up again", "adambridge/pipeline.py",
+     "        groups = self.opt.param_groups\n", "        groups = self._groups_seen or self.opt.param_groups\n",
+     ["tests/test_async_protocol.py"]),
+    ("pipeline: interrupted backward not noticed at the step", "adambridge/pipeline.py",
+     "        if self._open_tasks:\n            self._backward_interrupted()",
+     "        if False:\n            self._backward_interrupted()",
+     ["tests/test_async_faults.py"]),
+    ("pipeline: first step not held", "adambridge/pipeline.py",
+     "held = not self._warm or", "held = False and not self._warm or",
+     ["tests/test_pipeline.py"]),
+    ("interception: clipping never routed", "adambridge/interception.py",
+     "owners = {id(pl): pl for pl in list(_pipelines) for p in params if pl.hooks(p)}",
+     "owners = {}", ["tests/test_async_clipping.py"]),
+    ("interception: GradScaler never routed", "adambridge/interception.py",
+     "if pipeline is None or pipeline not in _pipelines:", "if True:",
+     ["tests/test_async_amp.py"]),
+    ("worker: deferred copies back dropped after a failure", "adambridge/worker.py",
+     "        for writeback in deferred:\n            try:",
+     "        for writeback in deferred:\n            if record.failed:\n                continue\n            try:",
+     ["tests/test_async_faults.py"]),
+    ("worker: speculative ranges not recorded", "adambridge/worker.py",
+     "piece.job.updated_ranges.append((piece.start, piece.end))", "pass",
+     ["tests/test_async_clipping.py"]),
+    ("state: m starts at one", "adambridge/state.py",
+     '"exp_avg": host_zeros(numel, m_dtype),', '"exp_avg": host_zeros(numel, m_dtype).add_(1),',
+     ["tests/test_optimizer.py"]),
+    ("params: written weights never adopted", "adambridge/params.py",
+     "host_state.adopt_written(state, p.detach() if source is None else source)", "pass",
+     ["tests/test_contract.py"]),
+    ("validation: beta 1.0 accepted", "adambridge/_validation.py",
+     "not 0.0 <= beta < 1.0", "not 0.0 <= beta <= 1.0", ["tests/test_errors.py"]),
+    ("functional: bias correction 2 from beta1", "adambridge/functional.py",
+     "bias_correction2 = 1 - beta2 ** step", "bias_correction2 = 1 - beta1 ** step",
+     ["tests/test_optimizer.py"]),
+    ("reference: eps inside the square root", "adambridge/reference.py",
+     "d = s / h.bc2_sqrt + h.eps", "d = sqrt_f32(v + h.eps) / h.bc2_sqrt",
+     ["tests/test_optimizer.py"]),
+    ("transport: non-contiguous parameter not copied back", "adambridge/transport.py",
+     "        p.detach().copy_(buffer.view(p.shape))\n", "",
+     ["tests/test_pipeline.py"]),
+    ("autotune: precision kept when the host got slower", "adambridge/autotune.py",
+     "if host < self.baseline_s:", "if host > self.baseline_s:", ["tests/test_autotune.py"]),
+    ("integrations.accelerate: every micro-batch closes the window",
+     "adambridge/integrations/accelerate.py", "closes_window=", "closes_window=lambda: True or ",
+     ["tests/test_integrations_accelerate.py"]),
+    ("lab: the token is not checked", "adambridge/lab/server.py",
+     "hmac.compare_digest", "(lambda a, b: True)", ["tests/test_lab_server.py"]),
+    ("kernel scalar/tails: eps dropped from the denominator", "adambridge/csrc/codecs.h",
+     "float d = s / h->bc2_sqrt + h->eps;", "float d = s / h->bc2_sqrt;",
+     ["tests/test_native.py"]),
+    ("kernel avx2: eps dropped from the denominator", "adambridge/csrc/kernel_avx2.c",
+     "h->eps = _mm256_set1_ps(s->eps);", "h->eps = _mm256_set1_ps(0.0f);",
+     ["tests/test_native.py"]),
+]
+
+
+def run(mutant: tuple, env: dict) -> str:
+    name, rel, old, new, tests = mutant
+    path = ROOT / rel
+    source = path.read_text()
+    if old not in source:
+        return "stale"
+    try:
+        path.write_text(source.replace(old, new, 1))
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               *tests], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)
+    finally:
+        path.write_text(source)
+    return "caught" if done.returncode != 0 else "SURVIVED"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run the mutants whose name contains this")
+    args = parser.parse_args(argv)
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               ADAMBRIDGE_CACHE_DIR=tempfile.mkdtemp(prefix="adambridge-mutants-"))
+    survived = 0
+    print("| mutant | file | verdict | seconds |\n|---|---|---|---:|", flush=True)
+    for mutant in MUTANTS:
+        if args.only not in mutant[0]:
+            continue
+        began = time.monotonic()
+        verdict = run(mutant, env)
+        survived += verdict != "caught"
+        print(f"| {mutant[0]} | {mutant[1]} | {verdict} | {time.monotonic() - began:.0f} |",
+              flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

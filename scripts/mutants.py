@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (name, file, original text, mutated text, test files)
 MUTANTS = [
-    ("optimizer: GradScaler skip inverted", "adambridge/optimizer.py",
-     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:\n            return False",
-     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) < 0:\n            return False",
+    ("step_facts: sync GradScaler skip inverted", "adambridge/step_facts.py",
+     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) > 0:\n        return False",
+     "if found_inf is not None and float(torch.as_tensor(found_inf).sum()) < 0:\n        return False",
      ["tests/test_async_amp.py"]),
     ("step_facts: clip coefficient without torch's 1e-6", "adambridge/step_facts.py",
      "max_norm / (total + _CLIP_EPS)", "max_norm / total", ["tests/test_async_clipping.py"]),
@@ -93,6 +93,12 @@ MUTANTS = [
     ("kernel avx2: eps dropped from the denominator", "adambridge/csrc/kernel_avx2.c",
      "h->eps = _mm256_set1_ps(s->eps);", "h->eps = _mm256_set1_ps(0.0f);",
      ["tests/test_native.py"]),
+    ("worker: NVMe tier pieces streamed while clipping is expected", "adambridge/worker.py",
+     "        if speculative and record.clip_watch is not None:\n            # NOTE: redoing",
+     "        if False:\n            # NOTE: redoing", ["tests/test_nvme_step_facts.py"]),
+    ("nvme: weights written into a file-backed parameter ignored", "adambridge/nvme_stream.py",
+     "        if job.adopt and job.generation > 0:\n            views",
+     "        if False:\n            views", ["tests/test_nvme_step_facts.py"]),
 ]
 
 

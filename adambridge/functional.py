@@ -21,7 +21,12 @@ BACKENDS = ("auto", "native", "torch")
 
 @dataclass(frozen=True)
 class Hyper:
-    """The per-tensor scalars of docs/numerics.md section 1, already rounded to fp32."""
+    """The per-tensor scalars of docs/numerics.md section 1, already rounded to fp32.
+
+    ``step_size`` and ``eps`` are step_hat = lr * sqrt(bc2) / bc1 and eps_hat = eps * sqrt(bc2):
+    torch's ``denom = sqrt(v) / sqrt(bc2) + eps`` scaled by sqrt(bc2), so the element update
+    has one division instead of two.
+    """
 
     beta1: float
     beta2: float
@@ -29,7 +34,6 @@ class Hyper:
     one_minus_beta2: float
     decay: float
     step_size: float
-    bc2_sqrt: float
     eps: float
 
     @classmethod
@@ -41,18 +45,17 @@ class Hyper:
 
 @lru_cache(maxsize=256)
 def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:
-    # Same double-precision expressions as torch.optim.AdamW, rounded once to fp32.
+    # torch.optim.AdamW's double-precision bias corrections, each scalar rounded once to fp32.
     bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bc2_sqrt = math.sqrt(1 - beta2 ** step)
     return cls(
         beta1=f32(beta1),
         beta2=f32(beta2),
         one_minus_beta1=f32(1 - beta1),
         one_minus_beta2=f32(1 - beta2),
         decay=f32(1 - lr * weight_decay),
-        step_size=f32(lr / bias_correction1),
-        bc2_sqrt=f32(math.sqrt(bias_correction2)),
-        eps=f32(eps),
+        step_size=f32(lr * bc2_sqrt / bias_correction1),
+        eps=f32(eps * bc2_sqrt),
     )
 
 

@@ -30,7 +30,7 @@ class AbHyper(ctypes.Structure):
     """struct ab_hyper (adambridge.h)."""
     _fields_ = [("beta1", c_float), ("beta2", c_float), ("one_minus_beta1", c_float),
                 ("one_minus_beta2", c_float), ("decay", c_float), ("step_size", c_float),
-                ("bc2_sqrt", c_float), ("eps", c_float)]
+                ("eps", c_float), ("reserved", c_float)]
 
 
 class AbTensor(ctypes.Structure):
@@ -214,7 +214,7 @@ def _dtypes() -> dict:
 @functools.lru_cache(maxsize=1024)
 def _hyper_struct(hyper) -> AbHyper:
     # Every parameter of a step shares one Hyper, so its struct is built once per step.
-    return AbHyper(*(getattr(hyper, f) for f, _ in AbHyper._fields_))
+    return AbHyper(*(getattr(hyper, f) for f, _ in AbHyper._fields_[:-1]))
 
 
 def _pointer(t, name: str, n: int, itemsize: int) -> int:

@@ -26,7 +26,7 @@
 #endif
 
 typedef struct {
-    __m512 decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+    __m512 decay, beta1, omb1, beta2, omb2, eps, step_size;
 } avx512_hyper;
 
 static void avx512_hyper_init(avx512_hyper *h, const ab_hyper *s)
@@ -36,12 +36,18 @@ static void avx512_hyper_init(avx512_hyper *h, const ab_hyper *s)
     h->omb1 = _mm512_set1_ps(s->one_minus_beta1);
     h->beta2 = _mm512_set1_ps(s->beta2);
     h->omb2 = _mm512_set1_ps(s->one_minus_beta2);
-    h->bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt);
     h->eps = _mm512_set1_ps(s->eps);
     h->step_size = _mm512_set1_ps(s->step_size);
 }
 
-/* Section 1 on 16 lanes; returns s = sqrt(v). */
+/* ab_canon on 16 lanes: a NaN becomes 0x7fc00000. */
+AB_INLINE __m512 avx512_canon(__m512 x)
+{
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
+}
+
+/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
 AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
 {
     /* p = p * decay */
@@ -56,10 +62,10 @@ AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512
     *v = _mm512_add_ps(*v, _mm512_mul_ps(_mm512_mul_ps(g, g), h->omb2));
     /* s = sqrt(v) */
     __m512 s = _mm512_sqrt_ps(*v);
-    /* d = s / bc2_sqrt + eps_f */
-    __m512 d = _mm512_add_ps(_mm512_div_ps(s, h->bc2_sqrt), h->eps);
-    /* p = p - step_size * (m / d) */
-    *p = _mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d)));
+    /* d = s + eps_hat */
+    __m512 d = _mm512_add_ps(s, h->eps);
+    /* p = p - step_hat * (m / d) */
+    *p = avx512_canon(_mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d))));
     return s;
 }
 
@@ -138,14 +144,6 @@ AB_INLINE __m512i avx512_bf16_rne(__m512 x)
     return _mm512_srli_epi32(u, 16);
 }
 
-/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
-AB_INLINE __m512i avx512_bf16_out(__m512 x)
-{
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
-                                    _mm512_set1_epi32(0x40));
-    return _mm512_mask_blend_epi32(nan, avx512_bf16_rne(x), quiet);
-}
 
 AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int nt, __mmask16 k,
                                 int full)
@@ -159,7 +157,7 @@ AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int n
     }
     if (dtype == AB_NONE)
         return;
-    __m256i h = dtype == AB_BF16 ? _mm512_cvtepi32_epi16(avx512_bf16_out(p))
+    __m256i h = dtype == AB_BF16 ? _mm512_cvtepi32_epi16(avx512_bf16_rne(p))
                                  : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     uint16_t *dst = (uint16_t *)out + i;
     if (nt && full)
@@ -172,9 +170,8 @@ AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int n
  * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
  * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
  * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
- * and h * (256 * scale) round the same product once. Codes past the largest finite one
- * decode by the formula in the scalar code but not here (E5M2 E == 31 is an fp16 inf/NaN):
- * blocks holding them, never written by the encoder, take the scalar path. */
+ * and h * (256 * scale) round the same product once. The E5M2 codes with E == 31 are fp16
+ * inf and NaN, as in the scalar decode; the E4M3 NaN code is selected separately. */
 AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
 {
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
@@ -184,7 +181,10 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
     __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
-    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+    __m512 x = _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+    /* the NaN code 0x7f / 0xff (a finite fp16 in this layout) decodes as NaN */
+    __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
 }
 
 /* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
@@ -239,6 +239,9 @@ AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp
         v = avx512_half_to_f32(avx512_load_u16((uint16_t *)vp + i, k, full), AB_BF16);
     }
     avx512_adamw(h, &p, g, &m, &v);
+    /* a NaN m or v is stored as 0x7fc00000 */
+    m = avx512_canon(m);
+    v = avx512_canon(v);
     avx512_store_f32(pp + i, p, k, full);
     if (prec == AB_MOMENTS_F32) {
         avx512_store_f32((float *)mp + i, m, k, full);
@@ -307,9 +310,12 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     s = avx512_adamw(h, &p, g, &m, &v);
     avx512_store_f32(pp + i, p, k, full);
     avx512_store_out(t->out, i, p, O, nt, k, full);
-    /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
-    *vmax_m = _mm512_mask_max_ps(*vmax_m, k, avx512_abs(m), *vmax_m);
-    *vmax_s = _mm512_mask_max_ps(*vmax_s, k, s, *vmax_s);
+    /* amax_m = max finite |m|; amax_s = max finite s (the lanes in k) */
+    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(__builtin_inff());
+    __mmask16 fin_m = _mm512_mask_cmp_ps_mask(k, am, inf, _CMP_LT_OQ);
+    __mmask16 fin_s = _mm512_mask_cmp_ps_mask(k, s, inf, _CMP_LT_OQ);
+    *vmax_m = _mm512_mask_max_ps(*vmax_m, fin_m, am, *vmax_m);
+    *vmax_s = _mm512_mask_max_ps(*vmax_s, fin_s, s, *vmax_s);
     _mm512_store_ps(mbuf + j, m);
     _mm512_store_ps(sbuf + j, s);
 }
@@ -339,6 +345,11 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
     /* sign bit when m < 0 */
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
     cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80 << (8 * cb)));
+    /* a non-finite m or s: the NaN code */
+    __m512 inf = _mm512_set1_ps(__builtin_inff());
+    __m512i nan_code = _mm512_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
+    cm = _mm512_mask_mov_epi32(cm, _mm512_cmp_ps_mask(avx512_abs(m), inf, _CMP_NLT_UQ), nan_code);
+    cv = _mm512_mask_mov_epi32(cv, _mm512_cmp_ps_mask(s, inf, _CMP_NLT_UQ), nan_code);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cm, 8 * cb)), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cv, 8 * cb)), k, full);
 }
@@ -359,7 +370,7 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
     if (j < n)                                         /* tail: masked lanes */
         avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
-    /* the lanes' maxima (none is NaN or -0, so any order gives the scalar loop's result) */
+    /* the lanes' maxima (finite, none is -0, so any order gives the scalar loop's result) */
     float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
@@ -375,24 +386,12 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
         avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
 }
 
-/* Whether the block must take the scalar path: its v codes hold an E5M2 exponent of 31, or
- * 256 * scale_m overflows (see avx512_e4m3_decode_div256). Neither is ever written. */
-AB_INLINE int avx512_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
+/* Whether the block must take the scalar path: 256 * scale_m overflows (see
+ * avx512_e4m3_decode_div256); never written, possible only in a hand-made state. */
+AB_INLINE int avx512_fp8_scale_odd(float scale_m)
 {
     uint32_t s = ab_as_u32(scale_m) & 0x7fffffffu;
-    if (s >= 0x7b800000u && s < 0x7f800000u)           /* 2^120 <= |scale_m| < inf */
-        return 1;
-    int64_t j = 0;
-    __m512i acc = _mm512_setzero_si512();
-    for (; j + 64 <= n; j += 64) {                     /* max of (code << 1) & 0xff */
-        __m512i c = _mm512_loadu_si512((const void *)(qv + j));
-        acc = _mm512_max_epu8(acc, _mm512_add_epi8(c, c));
-    }
-    /* E == 31 <=> (code << 1) & 0xff >= 0xf8 */
-    int odd = _mm512_cmpge_epu8_mask(acc, _mm512_set1_epi8((char)0xf8)) != 0;
-    for (; j < n; j++)
-        odd |= (qv[j] & 0x7cu) == 0x7cu;
-    return odd;
+    return s >= 0x7b800000u && s < 0x7f800000u;        /* 2^120 <= |scale_m| < inf */
 }
 
 AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -404,7 +403,7 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        if (avx512_fp8_block_odd((uint8_t *)t->exp_avg_sq + b0, n, t->exp_avg_scale[b0 / AB_BLOCK]))
+        if (avx512_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
         else
             avx512_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);

@@ -142,9 +142,8 @@ static void hyper_from(ab_hyper *h, double lr, double b1, double b2, double eps,
     h->one_minus_beta1 = (float)(1.0 - b1);
     h->one_minus_beta2 = (float)(1.0 - b2);
     h->decay = (float)(1.0 - lr * wd);
-    h->step_size = (float)(lr / (1.0 - pow(b1, t)));
-    h->bc2_sqrt = (float)sqrt(1.0 - pow(b2, t));
-    h->eps = (float)eps;
+    h->step_size = (float)(lr * sqrt(1.0 - pow(b2, t)) / (1.0 - pow(b1, t)));  /* step_hat */
+    h->eps = (float)(eps * sqrt(1.0 - pow(b2, t)));                            /* eps_hat */
 }
 
 /* Random but finite state (no NaN can arise, so every ISA must agree on every bit). */
@@ -458,8 +457,10 @@ static void check_codecs(void)
     CHECK(bad == 0, "bf16 RNE known values: %d wrong", bad);
     CHECK(ab_bf16_sr(ab_as_f32(0x3f808000), 0x7fff) == 0x3f80 &&
           ab_bf16_sr(ab_as_f32(0x3f808000), 0x8000) == 0x3f81 &&
-          ab_bf16_out(ab_as_f32(0x7fc00000)) == 0x7fc0 && ab_bf16_out(ab_as_f32(0xff812345)) == 0xffc1,
-          "bf16 SR and NaN copy");
+          ab_bf16_out(ab_as_f32(AB_CANON_NAN)) == 0x7fc0 &&
+          ab_as_u32(ab_canon(ab_as_f32(0xff812345))) == AB_CANON_NAN &&
+          ab_as_u32(ab_canon(ab_as_f32(0xff800000))) == 0xff800000,
+          "bf16 SR, canonical NaN and its copy");
     /* fp16: round to nearest even, subnormals, overflow */
     static const uint32_t hf[][2] = {
         {0x477fe000, 0x7bff}, {0x477ff000, 0x7c00}, {0x477fefff, 0x7bff}, {0x33800000, 0x0001},

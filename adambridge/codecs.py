@@ -78,6 +78,11 @@ def _step_key(seed: int, step: int) -> int:
     return mix32(key ^ (step & MASK32))
 
 
+def step_key(seed: int, step: int) -> int:
+    """The key of (seed, step) that stream_key folds each parameter index into."""
+    return _step_key(seed, step)
+
+
 def stream_key(seed: int, step: int, param_index: int) -> int:
     """The per-(seed, step, parameter) key that all of a tensor's random bits derive from."""
     return mix32(_step_key(seed, step) ^ (param_index & MASK32))

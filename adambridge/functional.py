@@ -85,6 +85,48 @@ class UpdateItem:
         return self.master.numel()
 
 
+class NativeBatch:
+    """A fixed list of UpdateItems packed once into native descriptors, for repeated steps.
+
+    ``adamw_update`` checks and packs every item on every call (about a microsecond per item);
+    a caller that updates the same ranges step after step builds a NativeBatch once and then
+    refreshes only what changes: ``set_step`` (stream keys, hyperparameters) and, when the
+    gradient tensors are new, ``set_grads``. Everything else (master, moments, scales, copy,
+    offset, precision) is fixed at construction: rebuild the batch when any of those tensors
+    is replaced. The batch keeps the items (and so their tensors) alive.
+    """
+
+    def __init__(self, items: Sequence[UpdateItem]):
+        from ._native import loader
+        self.items = list(items)
+        self._loader = loader
+        self._desc = loader.descriptors(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def set_step(self, keys, hyper) -> None:
+        """keys: one stream key per item (a list or int64 tensor, see ``stream_keys``);
+        hyper: one Hyper for all items, or a sequence of one per item."""
+        self._loader.set_keys(self._desc, keys)
+        self._loader.set_hyper(self._desc, hyper)
+
+    def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """New gradient tensors (one per item, same numel; dtype may change), checked."""
+        self._loader.set_grads(self._desc, grads, [item.numel for item in self.items])
+
+    def run(self) -> None:
+        """One native call over the whole batch."""
+        self._loader.run(self._desc)
+
+
+def stream_keys(seed: int, step: int, param_indices) -> torch.Tensor:
+    """``codecs.stream_key(seed, step, i)`` for many parameter indices i at once (int64)."""
+    from .codecs import MASK32, mix32_tensor, step_key
+    indices = torch.as_tensor(param_indices, dtype=torch.int64) & MASK32
+    return mix32_tensor(indices ^ step_key(seed, step))
+
+
 def adamw_update(items: Sequence[UpdateItem], backend: str = "native") -> None:
     """Update every item in place: one native call for the whole batch, or the torch loop."""
     if not items:

@@ -286,3 +286,52 @@ def test_native_nonfinite_values_equal_torch_backend_bitwise(isa, threads, preci
     nans = master.view(torch.int32)[torch.isnan(master)]
     assert nans.numel() >= 4 and (nans == 0x7FC00000).all()  # one canonical NaN
     assert (ours["out"].view(torch.int16)[torch.isnan(master)] == 0x7FC0).all()
+
+
+# -- the cached native batch ---------------------------------------------------------------------
+
+def test_stream_keys_equal_stream_key_per_parameter():
+    from adambridge.functional import stream_keys
+    indices = [0, 1, 7, 2**31 + 5, 2**32 - 1]
+    assert stream_keys(3, 11, indices).tolist() == [codecs.stream_key(3, 11, i) for i in indices]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_native_batch_with_refreshed_steps_equals_adamw_update(threads, precision):
+    from adambridge.functional import NativeBatch, stream_keys
+    sizes = [1, 17, 300, 1000, 129]
+
+    def problems():
+        return [_problem(n, precision, torch.bfloat16, torch.bfloat16, seed=i)
+                for i, n in enumerate(sizes)]
+    plain, cached = problems(), problems()
+    batch = None
+    for step in (1, 2, 3):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + i)).to(
+            torch.bfloat16 if step != 2 else torch.float32) for i, n in enumerate(sizes)]
+        hyper = Hyper.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                               step=step)
+        items = []
+        for i, (st, _, out) in enumerate(plain):
+            item = _items(st, grads[i], out, precision, step, [(0, sizes[i])])[0]
+            item.key = codecs.stream_key(5, step, i)
+            items.append(item)
+        adamw_update(items, "native")
+        if batch is None:
+            batch = NativeBatch([_items(st, grads[i], out, precision, 1, [(0, sizes[i])])[0]
+                                 for i, (st, _, out) in enumerate(cached)])
+        batch.set_grads(grads)
+        batch.set_step(stream_keys(5, step, range(len(sizes))), hyper)
+        batch.run()
+    for (a, _, oa), (b, _, ob) in zip(plain, cached):
+        keys = sorted(k for k in a if k != "step")
+        _assert_bitwise_equal([a[k] for k in keys] + [oa], [b[k] for k in keys] + [ob])
+
+
+def test_native_batch_rejects_a_gradient_of_the_wrong_size():
+    from adambridge.functional import NativeBatch
+    state, grad, out = _problem(100, "fp32", torch.float32, None)
+    batch = NativeBatch(_items(state, grad, out, "fp32", 1, [(0, 100)]))
+    with pytest.raises(ValueError, match=r"Invalid grad: the native kernel needs a contiguous CPU "
+                                         r"tensor of 100 elements"):
+        batch.set_grads([torch.zeros(99)])

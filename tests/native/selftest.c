@@ -2,8 +2,10 @@
  *
  * Build and run (one command, no flags: the ISA files carry their own target pragmas):
  *     cc -O2 -pthread -o selftest tests/native/selftest.c -lm && ./selftest
+ * For AArch64 (NEON) on an x86 machine, scripts/neon_check.sh cross-compiles it and runs it
+ * under qemu-aarch64. `./selftest --quick` leaves out the 3M-element tensors.
  * Checks: kernels (all sizes, dtypes, precisions, rounding modes, offsets, thread counts and
- * chunkings; guard bytes after every buffer), codecs (fp8 round trips and error bounds, bf16 and
+ * chunkings; guard bytes after every buffer; non-finite inputs), codecs (fp8 round trips and error bounds, bf16 and
  * fp16 known values), the hash, a golden step computed with numpy, validation and the pool.
  * Prints `selftest: N passed, M failed` and exits non-zero on any failure.
  */
@@ -146,7 +148,24 @@ static void hyper_from(ab_hyper *h, double lr, double b1, double b2, double eps,
     h->eps = (float)(eps * sqrt(1.0 - pow(b2, t)));                            /* eps_hat */
 }
 
-/* Random but finite state (no NaN can arise, so every ISA must agree on every bit). */
+/* 1 while check_nonfinite runs: state_fill then plants infinities, NaNs of every payload and
+ * the fp8 non-finite codes, which every ISA must turn into the same bits (numerics.md s. 6). */
+static int fill_nonfinite;
+
+static uint32_t rng_nonfinite_bits(void)
+{
+    static const uint32_t bits[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc12345u,
+                                    0x7f800001u, 0x7fffffffu, 0xffffffffu};
+    return bits[rng_u64() % 7];
+}
+
+/* With fill_nonfinite, about one value in 8 of x becomes inf or a NaN. */
+static float maybe_nonfinite(float x)
+{
+    return fill_nonfinite && rng_u64() % 8 == 0 ? ab_as_f32(rng_nonfinite_bits()) : x;
+}
+
+/* Random state, finite unless fill_nonfinite (every ISA must agree on every bit). */
 static void state_fill(state *s)
 {
     int t = 1 + (int)(rng_u64() % 2000);
@@ -158,9 +177,10 @@ static void state_fill(state *s)
         p[i] = kind == 0 ? rng_mag(-44, -38)            /* subnormal-ish copies */
              : kind == 1 ? rng_mag(4, 5.5)              /* fp16 overflow */
              : rng_mag(-6, 1);
+        p[i] = maybe_nonfinite(p[i]);
     }
     for (int64_t i = 0; i < s->n; i++) {
-        float g = rng_mag(-9, 2);
+        float g = maybe_nonfinite(rng_mag(-9, 2));
         if (s->gdt == AB_F32)
             ((float *)s->g.data)[i] = g;
         else if (s->gdt == AB_BF16)
@@ -169,17 +189,19 @@ static void state_fill(state *s)
             ((uint16_t *)s->g.data)[i] = ab_f16_rne(g);
     }
     for (int64_t i = 0; i < s->n; i++) {
-        float m = rng_mag(-9, 0), v = fabsf(rng_mag(-16, 1));
+        float m = maybe_nonfinite(rng_mag(-9, 0)), v = maybe_nonfinite(fabsf(rng_mag(-16, 1)));
         if (s->prec == AB_MOMENTS_F32) {
             ((float *)s->m.data)[i] = m;
             ((float *)s->v.data)[i] = v;
         } else if (s->prec == AB_MOMENTS_BF16) {
-            ((uint16_t *)s->m.data)[i] = ab_bf16_rne(m);
-            ((uint16_t *)s->v.data)[i] = ab_bf16_rne(v);
+            ((uint16_t *)s->m.data)[i] = (uint16_t)(ab_as_u32(m) >> 16);   /* NaNs kept */
+            ((uint16_t *)s->v.data)[i] = (uint16_t)(ab_as_u32(v) >> 16);
         } else {
             uint8_t cm = (uint8_t)(rng_u64() & 0xff), cv = (uint8_t)(rng_u64() % 0x7c);
-            if ((cm & 0x7f) == 0x7f)
+            if ((cm & 0x7f) == 0x7f && !fill_nonfinite)
                 cm &= 0xfe;                              /* no NaN codes */
+            if (fill_nonfinite && rng_u64() % 8 == 0)    /* the codes of inf and NaN */
+                cv = (uint8_t)(0x7c + rng_u64() % 4);
             ((uint8_t *)s->m.data)[i] = cm;
             ((uint8_t *)s->v.data)[i] = cv;
         }
@@ -317,7 +339,7 @@ static void check_config(int64_t n, int64_t offset, int gdt, int odt, int prec, 
     state_free(&ref);
 }
 
-static void check_kernels(void)
+static void check_kernels(int quick)
 {
     static const int64_t sizes[] = {0, 1, 15, 16, 17, 127, 128, 129, 4097};
     static const int64_t offsets[] = {0, 384, (1ll << 32) - 256, (3ll << 32) + 128 * 7, 7,
@@ -333,9 +355,23 @@ static void check_kernels(void)
                             check_config(sizes[si], offsets[oi], gdt, odt, prec, sr, 3);
             }
     /* a 3M tensor: pieces of the real pool split, streamed (non-temporal) `out` */
-    for (int prec = 0; prec < 3; prec++)
+    for (int prec = 0; prec < 3 && !quick; prec++)
         for (int odt = 0; odt < 4; odt += 1)
             check_config(3000000 + 77 * (prec != AB_MOMENTS_FP8), 128, AB_BF16, odt, prec, 1, 2);
+}
+
+/* Non-finite values in every input, at every size and layout: every ISA equals scalar. */
+static void check_nonfinite(void)
+{
+    static const int64_t sizes[] = {1, 15, 17, 129, 4097};
+    fill_nonfinite = 1;
+    for (int si = 0; si < 5; si++)
+        for (int prec = 0; prec < 3; prec++)
+            for (int gdt = 0; gdt < 3; gdt++)
+                for (int odt = 0; odt < 4; odt++)
+                    for (int sr = 0; sr < 2; sr++)
+                        check_config(sizes[si], 384, gdt, odt, prec, sr, 2);
+    fill_nonfinite = 0;
 }
 
 /* Thousands of small tensors in one call equal the same tensors updated one at a time. */
@@ -698,8 +734,10 @@ static void check_pool(void)
         state_free(&s[k]), state_free(&want[k]);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* --quick leaves out the 3M-element tensors (for emulators: qemu runs ~30x slower) */
+    int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     for (int isa = 0; isa < 4; isa++) {
         if (ab_isa_supported(isa))
             isas[nisas++] = isa;
@@ -720,7 +758,8 @@ int main(void)
     check_validation();
     check_pool();
     check_many_tensors();
-    check_kernels();
+    check_nonfinite();
+    check_kernels(quick);
     printf("selftest: %d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

@@ -45,7 +45,7 @@ typedef struct {
 
 static void ab_probe_scalar_head(const ab_tensor *t, int64_t lo, int64_t hi);
 
-static int ab_moment_size(int precision)
+static inline int ab_moment_size(int precision)
 {
     return precision == AB_MOMENTS_F32 ? 4 : precision == AB_MOMENTS_BF16 ? 2 : 1;
 }

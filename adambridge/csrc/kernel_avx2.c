@@ -201,6 +201,9 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
+        if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
+            ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
+                                prec == AB_MOMENTS_F32 ? 4 : 2);
         __m256 p = _mm256_loadu_ps(pp + i);
         __m256 g = avx2_load_grad(gp, i, G);
         __m256 m, v;
@@ -405,6 +408,8 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
+                            AB_BLOCK, ab_dtype_size(G), 1);
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
         if (avx2_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);

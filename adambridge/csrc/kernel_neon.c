@@ -203,6 +203,9 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)gi), vld1q_u32(iota));
     int64_t i = begin;
     for (; i + 4 <= end; i += 4) {
+        if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
+            ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
+                                prec == AB_MOMENTS_F32 ? 4 : 2);
         float32x4_t p = vld1q_f32(pp + i);
         float32x4_t g = neon_load_grad(gp, i, G);
         float32x4_t m, v;
@@ -326,8 +329,11 @@ AB_INLINE void neon_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     neon_hyper_init(&h, &t->hyper);
     uint64_t gi = (uint64_t)(t->offset + begin);
     uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
-    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
+                            AB_BLOCK, ab_dtype_size(G), 1);
         neon_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr);
+    }
 }
 
 /* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */

@@ -3,13 +3,14 @@
 The functions prefixed ``spec_`` re-derive the contract in plain Python (integers, and fp32
 emulated as "compute in double, round once to binary32", exact for + - * / sqrt), reading only
 docs/numerics.md: they import nothing from adambridge. Their results are pinned as literals
-below (and in tests/native/selftest.c, check_golden_spec), so a change of numerics changes a
+below (and in tests/native/selftest_golden.c), so a change of numerics changes a
 literal: a visible, deliberate decision that goes with a bump of codecs.NUMERICS_VERSION.
 """
 from __future__ import annotations
 
 import math
 import struct
+import sys
 
 import pytest
 import torch
@@ -291,7 +292,7 @@ def test_golden_cases_exercise_the_rules_they_pin():
 def test_golden_bits_tell_the_hash_halves_apart(precision, monkeypatch):
     # Issue 16: swapping which half of r(i) feeds m and which feeds v, in every backend alike,
     # must change a pinned bit.
-    monkeypatch.setattr(__import__(__name__), "spec_hash",
+    monkeypatch.setattr(sys.modules[__name__], "spec_hash",
                         lambda key, i: ((h := _spec_hash(key, i)) >> 16) | ((h & 0xFFFF) << 16))
     assert spec_steps(precision) != GOLDEN_STEPS[precision]
 

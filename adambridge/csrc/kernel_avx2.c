@@ -172,7 +172,7 @@ AB_INLINE void avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t
     _mm256_storeu_ps(pp + i, p);
     avx2_store_out(t->out, i, p, O, nt);
     /* amax_m = max finite |m|; amax_s = max finite s (a non-finite lane counts as 0) */
-    __m256 am = _mm256_and_ps(m, abs_mask), inf = _mm256_set1_ps(__builtin_inff());
+    __m256 am = _mm256_and_ps(m, abs_mask), inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
     *vmax_m = _mm256_max_ps(_mm256_and_ps(am, _mm256_cmp_ps(am, inf, _CMP_LT_OQ)), *vmax_m);
     *vmax_s = _mm256_max_ps(_mm256_and_ps(s, _mm256_cmp_ps(s, inf, _CMP_LT_OQ)), *vmax_s);
     _mm256_store_ps(mbuf + j, m);
@@ -241,7 +241,7 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
     cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg),
                                               _mm256_set1_epi32(0x80 << (8 * cb))));
     /* a non-finite m or s: the NaN code */
-    __m256 inf = _mm256_set1_ps(__builtin_inff());
+    __m256 inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
     __m256i nan_code = _mm256_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
     __m256 fin_m = _mm256_cmp_ps(_mm256_and_ps(m, abs_mask), inf, _CMP_LT_OQ);
     __m256 fin_s = _mm256_cmp_ps(s, inf, _CMP_LT_OQ);

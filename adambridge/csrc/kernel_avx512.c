@@ -209,7 +209,7 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     avx512_store_f32(pp + i, p, k, full);
     avx512_store_out(t->out, i, p, O, nt, k, full);
     /* amax_m = max finite |m|; amax_s = max finite s (the lanes in k) */
-    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(__builtin_inff());
+    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
     __mmask16 fin_m = _mm512_mask_cmp_ps_mask(k, am, inf, _CMP_LT_OQ);
     __mmask16 fin_s = _mm512_mask_cmp_ps_mask(k, s, inf, _CMP_LT_OQ);
     *vmax_m = _mm512_mask_max_ps(*vmax_m, fin_m, am, *vmax_m);
@@ -244,7 +244,7 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
     cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80 << (8 * cb)));
     /* a non-finite m or s: the NaN code */
-    __m512 inf = _mm512_set1_ps(__builtin_inff());
+    __m512 inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
     __m512i nan_code = _mm512_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
     cm = _mm512_mask_mov_epi32(cm, _mm512_cmp_ps_mask(avx512_abs(m), inf, _CMP_NLT_UQ), nan_code);
     cv = _mm512_mask_mov_epi32(cv, _mm512_cmp_ps_mask(s, inf, _CMP_NLT_UQ), nan_code);

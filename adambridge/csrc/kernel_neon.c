@@ -65,7 +65,7 @@ AB_INLINE float32x4_t neon_min(float32x4_t a, float32x4_t b) { return vbslq_f32(
 /* x where |x| < inf, else 0 (the fp8 block max skips non-finite values) */
 AB_INLINE float32x4_t neon_finite_or_0(float32x4_t x)
 {
-    uint32x4_t fin = vcltq_f32(vabsq_f32(x), vdupq_n_f32(__builtin_inff()));
+    uint32x4_t fin = vcltq_f32(vabsq_f32(x), vdupq_n_f32(ab_as_f32(0x7f800000u)));
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), fin));
 }
 AB_INLINE float32x4_t neon_abs(float32x4_t x)
@@ -311,7 +311,7 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         /* sign bit when m < 0 */
         cm = vorrq_u32(cm, vandq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)), vdupq_n_u32(0x80)));
         /* a non-finite m or s: the NaN code */
-        float32x4_t inf = vdupq_n_f32(__builtin_inff());
+        float32x4_t inf = vdupq_n_f32(ab_as_f32(0x7f800000u));
         cm = vbslq_u32(vcltq_f32(neon_abs(m), inf), cm, vdupq_n_u32(AB_FP8_NAN));
         cv = vbslq_u32(vcltq_f32(s, inf), cv, vdupq_n_u32(AB_FP8_NAN));
         neon_store_u8x4(qm + j, cm);

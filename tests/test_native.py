@@ -335,3 +335,25 @@ def test_native_batch_rejects_a_gradient_of_the_wrong_size():
     with pytest.raises(ValueError, match=r"Invalid grad: the native kernel needs a contiguous CPU "
                                          r"tensor of 100 elements"):
         batch.set_grads([torch.zeros(99)])
+
+
+def test_native_batch_of_items_with_different_hyperparameters_equals_one_by_one():
+    # Rows of one call share Hyper objects per group; three groups interleaved must each get
+    # their own scalars.
+    lrs = [1e-3, 3e-2, 1e-3, 5e-4, 3e-2]
+    def run(batched):
+        problems = [_problem(100, "fp32", torch.float32, None, seed=i) for i in range(len(lrs))]
+        hypers = {lr: Hyper.for_step(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                     step=2) for lr in lrs}
+        items = []
+        for (state, grad, out), lr in zip(problems, lrs):
+            item = _items(state, grad, out, "fp32", 2, [(0, 100)])[0]
+            item.hyper = hypers[lr]
+            items.append(item)
+        if batched:
+            adamw_update(items, "native")
+        else:
+            for item in items:
+                adamw_update([item], "native")
+        return [s["master"] for s, _, _ in problems]
+    _assert_bitwise_equal(run(True), run(False))

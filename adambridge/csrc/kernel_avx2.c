@@ -251,7 +251,7 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64((__m128i *)(b->qm + j), mv);
-    _mm_storel_epi64((__m128i *)(b->qv + j), _mm_unpackhi_epi64(mv, mv));
+    _mm_storeu_si64(b->qv + j, _mm_unpackhi_epi64(mv, mv)); /* unaligned: qv + j is any byte */
 }
 
 /* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;

@@ -23,9 +23,10 @@ BACKENDS = ("auto", "native", "torch")
 class Hyper:
     """The per-tensor scalars of docs/numerics.md section 1, already rounded to fp32.
 
-    ``step_size`` and ``eps`` are step_hat = lr * sqrt(bc2) / bc1 and eps_hat = eps * sqrt(bc2):
-    torch's ``denom = sqrt(v) / sqrt(bc2) + eps`` scaled by sqrt(bc2), so the element update
-    has one division instead of two.
+    ``step_size``, ``bc2_sqrt`` and ``eps`` are torch's (lr / bc1, sqrt(bc2), eps), for code
+    that reasons in torch's terms; the update itself uses ``step_hat`` = lr * sqrt(bc2) / bc1
+    and ``eps_hat`` = eps * sqrt(bc2): torch's ``denom = sqrt(v) / sqrt(bc2) + eps`` scaled by
+    sqrt(bc2), so the element update has one division instead of two (numerics version 2).
     """
 
     beta1: float
@@ -34,7 +35,10 @@ class Hyper:
     one_minus_beta2: float
     decay: float
     step_size: float
+    bc2_sqrt: float
     eps: float
+    step_hat: float
+    eps_hat: float
 
     @classmethod
     def for_step(cls, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -54,8 +58,11 @@ def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:
         one_minus_beta1=f32(1 - beta1),
         one_minus_beta2=f32(1 - beta2),
         decay=f32(1 - lr * weight_decay),
-        step_size=f32(lr * bc2_sqrt / bias_correction1),
-        eps=f32(eps * bc2_sqrt),
+        step_size=f32(lr / bias_correction1),
+        bc2_sqrt=f32(bc2_sqrt),
+        eps=f32(eps),
+        step_hat=f32(lr * bc2_sqrt / bias_correction1),
+        eps_hat=f32(eps * bc2_sqrt),
     )
 
 

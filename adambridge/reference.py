@@ -60,8 +60,8 @@ def update_range(item: "UpdateItem") -> None:
     v = v * h.beta2                              # v = beta2*v + (1-beta2)*g*g
     v = v + (g * g) * h.one_minus_beta2
     s = sqrt_f32(v)
-    d = s + h.eps                                # sqrt(bc2) * (sqrt(v)/sqrt(bc2) + eps)
-    p = p - h.step_size * (m / d)               # step_size = lr * sqrt(bc2) / bc1
+    d = s + h.eps_hat                            # sqrt(bc2) * (sqrt(v)/sqrt(bc2) + eps)
+    p = p - h.step_hat * (m / d)                 # step_hat = lr * sqrt(bc2) / bc1
     p = canonical_nan(p)                         # every stored NaN is 0x7fc00000
     item.master.copy_(p)
     _store_moments(item, m, v, s)

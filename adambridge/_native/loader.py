@@ -214,7 +214,10 @@ _I64_SIZES = slice(7, 9)       # n, offset
 _I32_KEY = AbTensor.key.offset // 4
 _I32_CODES = slice(_I32_KEY, _I32_KEY + 5)   # key, grad_dtype, out_dtype, precision, sr
 _F32_HYPER = slice(AbTensor.hyper.offset // 4, AbTensor.hyper.offset // 4 + 7)
-HYPER_FIELDS = tuple(f for f, _ in AbHyper._fields_[:-1])   # functional.Hyper's, in order
+# The functional.Hyper attribute behind each float of struct ab_hyper, in order (its step_size
+# and eps are step_hat and eps_hat, numerics.md section 1).
+HYPER_FIELDS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "decay", "step_hat",
+                "eps_hat")
 
 
 @functools.lru_cache(maxsize=None)

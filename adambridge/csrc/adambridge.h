@@ -46,8 +46,8 @@ typedef struct ab_hyper {
     float one_minus_beta1;
     float one_minus_beta2;
     float decay;      /* 1 - lr * weight_decay */
-    float step_size;  /* step_hat = lr * sqrt(1 - beta2^t) / (1 - beta1^t) */
-    float eps;        /* eps_hat = eps * sqrt(1 - beta2^t) */
+    float step_size;  /* step_hat = lr * sqrt(1 - beta2^t) / (1 - beta1^t) (Hyper.step_hat) */
+    float eps;        /* eps_hat = eps * sqrt(1 - beta2^t) (Hyper.eps_hat) */
     float reserved;   /* ignored; 0 */
 } ab_hyper;
 

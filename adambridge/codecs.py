@@ -10,6 +10,14 @@ from functools import lru_cache
 
 import torch
 
+# NOTE: the version of docs/numerics.md these twins implement. Bump it (next integer) in the
+# same commit as any change that can alter a stored bit for some input: an operation of the
+# update, a scalar's formula, the hash, a codec or its rounding, the handling of non-finite
+# values. Checkpoints record it, so a resume under other numerics is a visible decision.
+#   1: the first release (two divisions per element; a non-finite fp8 element spoils its block)
+#   2: one division (step_hat, eps_hat); canonical NaN; fp8 block scales skip non-finite values
+NUMERICS_VERSION = 2
+
 MASK32 = 0xFFFFFFFF
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
@@ -17,6 +25,9 @@ E5M2_MAX = 57344.0
 # (emin, mantissa bits) of the two fp8 grids, docs/numerics.md section 3.
 E4M3_GRID = (-6, 3)
 E5M2_GRID = (-14, 2)
+# What a non-finite m or sqrt(v) is stored as: the NaN code of both fp8 formats (section 6).
+FP8_NAN_CODE = 0x7F
+CANONICAL_NAN = float("nan")  # bits 0x7fc00000 in torch
 
 _MIX_MUL1 = 0x7FEB352D
 _MIX_MUL2 = 0x846CA68B
@@ -38,6 +49,15 @@ def sqrt_f32(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
+def canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN replaced by the canonical quiet NaN 0x7fc00000 (numerics.md section 6).
+
+    IEEE arithmetic leaves the payload of a NaN result to the operand order, which the two
+    backends need not share, so no NaN is stored with a payload.
+    """
+    return x.masked_fill(torch.isnan(x), CANONICAL_NAN)
+
+
 # --------------------------------------------------------------------------- the hash
 
 def mix32(x: int) -> int:
@@ -56,6 +76,11 @@ def _step_key(seed: int, step: int) -> int:
     key = mix32((seed & MASK32) ^ _GOLDEN)
     key = mix32(key ^ ((seed >> 32) & MASK32))
     return mix32(key ^ (step & MASK32))
+
+
+def step_key(seed: int, step: int) -> int:
+    """The key of (seed, step) that stream_key folds each parameter index into."""
+    return _step_key(seed, step)
 
 
 def stream_key(seed: int, step: int, param_index: int) -> int:
@@ -105,10 +130,24 @@ def bf16_encode(x: torch.Tensor, r16: torch.Tensor | None) -> torch.Tensor:
     magnitude up with probability equal to the discarded fraction.
     """
     if r16 is None:
-        return x.to(torch.bfloat16)
-    bits = (_f32_bits(x.float()) + r16) & 0xFFFF0000
-    as_i32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    return as_i32.view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are zero
+        return bf16_rne(x)
+    return _bf16_from_bits((_f32_bits(x.float()) + r16) >> 16)
+
+
+def bf16_rne(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding to nearest even by the integer formula of numerics.md section 3.
+
+    NOTE: not ``x.to(torch.bfloat16)``: torch's vectorised cast turns a NaN into 0xffff and
+    its scalar cast into 0x7fc0; the formula gives 0x7fc0 for the canonical NaN everywhere.
+    """
+    bits = _f32_bits(x.float())
+    return _bf16_from_bits((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+
+
+def _bf16_from_bits(code: torch.Tensor) -> torch.Tensor:
+    # int64 codes in [0, 2**16] (2**16 only past 0xffff, i.e. never: inputs are canonical)
+    code = code & 0xFFFF
+    return torch.where(code >= 2**15, code - 2**16, code).to(torch.int16).view(torch.bfloat16)
 
 
 def bf16_decode(x: torch.Tensor) -> torch.Tensor:
@@ -144,36 +183,51 @@ def fp8_round_to_grid(x: torch.Tensor, grid: tuple[int, int],
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Max |x| per block of FP8_BLOCK elements (the last block may be short)."""
+    """Max |x| over the finite elements of each block of FP8_BLOCK (the last may be short)."""
     n = x.numel()
     pad = (-n) % FP8_BLOCK
-    padded = torch.nn.functional.pad(x.abs(), (0, pad)) if pad else x.abs()
+    finite_abs = _finite_or_zero(x.abs())
+    padded = torch.nn.functional.pad(finite_abs, (0, pad)) if pad else finite_abs
     return padded.view(-1, FP8_BLOCK).amax(dim=1)
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def _per_element(block_values: torch.Tensor, n: int) -> torch.Tensor:
     return block_values.repeat_interleave(FP8_BLOCK)[:n]
 
 
+def _nan_code_where_not_finite(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    as_u8 = codes.view(torch.uint8)
+    as_u8 = torch.where(torch.isfinite(x), as_u8, torch.full_like(as_u8, FP8_NAN_CODE))
+    return as_u8.view(codes.dtype)
+
+
 def fp8_encode_m(m: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """First moment (fp32, one whole range starting at a block boundary) -> (e4m3, scales)."""
+    """First moment (fp32, one whole range starting at a block boundary) -> (e4m3, scales).
+
+    Non-finite elements take no part in their block's scale and are stored as the NaN code.
+    """
     amax = _block_absmax(m)
     scale = amax / E4M3_MAX
     # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
     inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(m.abs() * _per_element(inv, m.numel()), max=E4M3_MAX)
+    x = torch.clamp(_finite_or_zero(m.abs()) * _per_element(inv, m.numel()), max=E4M3_MAX)
     rounded = fp8_round_to_grid(x, E4M3_GRID, r16)
     signed = torch.where(m < 0, -rounded, rounded)
-    return signed.to(torch.float8_e4m3fn), scale
+    return _nan_code_where_not_finite(signed.to(torch.float8_e4m3fn), m), scale
 
 
 def fp8_encode_sqrt_v(s: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """sqrt of the second moment (fp32, >= 0) -> (e5m2, scales)."""
+    """sqrt of the second moment (fp32, >= 0 or non-finite) -> (e5m2, scales)."""
     amax = _block_absmax(s)
     scale = amax / E5M2_MAX
     inv = torch.where(amax > 0, torch.full_like(amax, E5M2_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(s * _per_element(inv, s.numel()), max=E5M2_MAX)
-    return fp8_round_to_grid(x, E5M2_GRID, r16).to(torch.float8_e5m2), scale
+    x = torch.clamp(_finite_or_zero(s) * _per_element(inv, s.numel()), max=E5M2_MAX)
+    codes = fp8_round_to_grid(x, E5M2_GRID, r16).to(torch.float8_e5m2)
+    return _nan_code_where_not_finite(codes, s), scale
 
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

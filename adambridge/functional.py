@@ -21,7 +21,13 @@ BACKENDS = ("auto", "native", "torch")
 
 @dataclass(frozen=True)
 class Hyper:
-    """The per-tensor scalars of docs/numerics.md section 1, already rounded to fp32."""
+    """The per-tensor scalars of docs/numerics.md section 1, already rounded to fp32.
+
+    ``step_size``, ``bc2_sqrt`` and ``eps`` are torch's (lr / bc1, sqrt(bc2), eps), for code
+    that reasons in torch's terms; the update itself uses ``step_hat`` = lr * sqrt(bc2) / bc1
+    and ``eps_hat`` = eps * sqrt(bc2): torch's ``denom = sqrt(v) / sqrt(bc2) + eps`` scaled by
+    sqrt(bc2), so the element update has one division instead of two (numerics version 2).
+    """
 
     beta1: float
     beta2: float
@@ -31,6 +37,8 @@ class Hyper:
     step_size: float
     bc2_sqrt: float
     eps: float
+    step_hat: float
+    eps_hat: float
 
     @classmethod
     def for_step(cls, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -41,9 +49,9 @@ class Hyper:
 
 @lru_cache(maxsize=256)
 def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:
-    # Same double-precision expressions as torch.optim.AdamW, rounded once to fp32.
+    # torch.optim.AdamW's double-precision bias corrections, each scalar rounded once to fp32.
     bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bc2_sqrt = math.sqrt(1 - beta2 ** step)
     return cls(
         beta1=f32(beta1),
         beta2=f32(beta2),
@@ -51,8 +59,10 @@ def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:
         one_minus_beta2=f32(1 - beta2),
         decay=f32(1 - lr * weight_decay),
         step_size=f32(lr / bias_correction1),
-        bc2_sqrt=f32(math.sqrt(bias_correction2)),
+        bc2_sqrt=f32(bc2_sqrt),
         eps=f32(eps),
+        step_hat=f32(lr * bc2_sqrt / bias_correction1),
+        eps_hat=f32(eps * bc2_sqrt),
     )
 
 
@@ -80,6 +90,48 @@ class UpdateItem:
     @property
     def numel(self) -> int:
         return self.master.numel()
+
+
+class NativeBatch:
+    """A fixed list of UpdateItems packed once into native descriptors, for repeated steps.
+
+    ``adamw_update`` checks and packs every item on every call (about a microsecond per item);
+    a caller that updates the same ranges step after step builds a NativeBatch once and then
+    refreshes only what changes: ``set_step`` (stream keys, hyperparameters) and, when the
+    gradient tensors are new, ``set_grads``. Everything else (master, moments, scales, copy,
+    offset, precision) is fixed at construction: rebuild the batch when any of those tensors
+    is replaced. The batch keeps the items (and so their tensors) alive.
+    """
+
+    def __init__(self, items: Sequence[UpdateItem]):
+        from ._native import loader
+        self.items = list(items)
+        self._loader = loader
+        self._desc = loader.descriptors(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def set_step(self, keys, hyper) -> None:
+        """keys: one stream key per item (a list or int64 tensor, see ``stream_keys``);
+        hyper: one Hyper for all items, or a sequence of one per item."""
+        self._loader.set_keys(self._desc, keys)
+        self._loader.set_hyper(self._desc, hyper)
+
+    def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """New gradient tensors (one per item, same numel; dtype may change), checked."""
+        self._loader.set_grads(self._desc, grads, [item.numel for item in self.items])
+
+    def run(self) -> None:
+        """One native call over the whole batch."""
+        self._loader.run(self._desc)
+
+
+def stream_keys(seed: int, step: int, param_indices) -> torch.Tensor:
+    """``codecs.stream_key(seed, step, i)`` for many parameter indices i at once (int64)."""
+    from .codecs import MASK32, mix32_tensor, step_key
+    indices = torch.as_tensor(param_indices, dtype=torch.int64) & MASK32
+    return mix32_tensor(indices ^ step_key(seed, step))
 
 
 def adamw_update(items: Sequence[UpdateItem], backend: str = "native") -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import codecs
-from .codecs import sqrt_f32
+from .codecs import canonical_nan, sqrt_f32
 
 if TYPE_CHECKING:  # pragma: no cover
     from .functional import UpdateItem
@@ -29,6 +29,8 @@ def _load_moments(item: "UpdateItem") -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _store_moments(item: "UpdateItem", m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+    if item.precision != "fp8":  # fp8 stores non-finite values as the NaN code instead
+        m, v = canonical_nan(m), canonical_nan(v)
     if item.precision == "fp32":
         item.exp_avg.copy_(m)
         item.exp_avg_sq.copy_(v)
@@ -89,9 +91,10 @@ def _update_block(item: "UpdateItem") -> None:
     v = v * h.beta2                              # v = beta2*v + (1-beta2)*g*g
     v = v + (g * g) * h.one_minus_beta2
     s = sqrt_f32(v)
-    d = s / h.bc2_sqrt + h.eps                   # denom = sqrt(v)/sqrt(bc2) + eps
-    p = p - h.step_size * (m / d)               # step_size = lr / bc1
+    d = s + h.eps_hat                            # sqrt(bc2) * (sqrt(v)/sqrt(bc2) + eps)
+    p = p - h.step_hat * (m / d)                 # step_hat = lr * sqrt(bc2) / bc1
+    p = canonical_nan(p)                         # every stored NaN is 0x7fc00000
     item.master.copy_(p)
     _store_moments(item, m, v, s)
-    if item.out is not None:
-        item.out.copy_(p)                        # copy_ rounds to nearest even
+    if item.out is not None:                     # rounds to nearest even
+        item.out.copy_(codecs.bf16_rne(p) if item.out.dtype == torch.bfloat16 else p)

@@ -1,13 +1,14 @@
 """Host AdamW kernels: validate against the torch backend, then time every variant in one run.
 
     python benchmarks/bench_kernels.py --numel 64M --threads 2
-    python benchmarks/bench_kernels.py --numel 8M --threads 2
+    python benchmarks/bench_kernels.py --numel 10M --tensors 10000 --threads 2
 
 The model is bf16 (bf16 gradients in, bf16 weights out), as in mixed-precision fine-tuning.
 Variants are interleaved (A B C ... A B C ...) and the median is reported, because memory
 bandwidth on a shared VM drifts by up to 2x within seconds. GB/s counts the minimum bytes a
-variant must move. The floor is a plain native pass over the same buffers moving the same
-bytes as the fp32-moment update, measured in the same process.
+variant must move. Each precision has its own floor: a plain native pass over the same
+buffers moving that precision's bytes (AVX-512 where the CPU has it), in the same process.
+With --tensors N the same total is split into N fp32 parameters (see bench_tensors.py).
 """
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ def native_variant(buffers: Buffers, precision: str) -> Callable[[], None]:
     return run
 
 
-def floor_variant(buffers: Buffers) -> Callable[[], None]:
-    items = items_for(buffers, "fp32", 1)
+def floor_variant(buffers: Buffers, precision: str) -> Callable[[], None]:
+    items = items_for(buffers, precision, 1)
     return lambda: loader.memory_pass(items)
 
 
@@ -151,16 +152,22 @@ def time_interleaved(variants: dict, repeats: int) -> dict:
 def report(numel: int, threads: int, medians: dict, bytes_per: dict) -> None:
     print(f"\nsetup: {platform.machine()} {loader.isa_name()}, {threads} threads, "
           f"{numel / 2**20:.0f}M params, bf16 grads and weights, torch {torch.__version__}")
-    print(f"{'variant':34s} {'ms':>9s} {'GB/s':>7s} {'vs all-CPU':>11s}")
-    alternative = medians["all-CPU torch AdamW(fused) + casts"]
+    print(f"{'variant':36s} {'ms':>9s} {'GB/s':>7s} {'vs all-CPU':>11s} {'of own floor':>13s}")
+    alternative = medians[ALTERNATIVE]
     for name, seconds in medians.items():
         gbs = bytes_per[name] * numel / seconds / 1e9
-        print(f"{name:34s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x")
-    floor = medians["floor (plain pass, same bytes)"]
-    print(f"\nnative fp32 moments / floor: {medians['native fp32 moments'] / floor:.2f}x the floor's time")
+        own = ""
+        if name.startswith("native "):
+            precision = name.split()[1]
+            own = f"{medians[f'floor {precision} (same bytes)'] / seconds:12.2f}x"
+        print(f"{name:36s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x {own}")
+    print("\n'of own floor': the floor's time / the kernel's time (1.00 = at the memory floor)")
     ds = medians.get("DeepSpeed CPU Adam (fp32 update)")
     if ds is not None:
         print(f"DeepSpeed CPU Adam / native fp32: {ds / medians['native fp32 moments']:.2f}x")
+
+
+ALTERNATIVE = "all-CPU torch AdamW(fused) + casts"
 
 
 def main(argv=None) -> None:
@@ -170,21 +177,28 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--no-torch-backend", action="store_true",
                         help="skip the (slow) pure-torch backend row")
+    parser.add_argument("--tensors", type=int, default=1,
+                        help="split --numel into this many fp32 parameters (per-tensor cost)")
     args = parser.parse_args(argv)
     numel = parse_numel(args.numel)
     threads = args.threads or torch.get_num_threads()
+    if args.tensors > 1:
+        import bench_tensors
+        bench_tensors.main(numel, args.tensors, threads, args.repeats)
+        return
     precisions = ("fp32", "bf16", "fp8")
     loader.set_num_threads(threads)
     torch.set_num_threads(threads)
     validate(precisions)
     buffers = make_buffers(numel, precisions)
-    variants = {"floor (plain pass, same bytes)": floor_variant(buffers)}
+    variants, bytes_per = {}, {}
     for precision in precisions:
+        variants[f"floor {precision} (same bytes)"] = floor_variant(buffers, precision)
         variants[f"native {precision} moments"] = native_variant(buffers, precision)
-    variants["all-CPU torch AdamW(fused) + casts"] = FusedTorchAlternative(buffers)
-    bytes_per = {"floor (plain pass, same bytes)": BYTES["fp32"],
-                 "all-CPU torch AdamW(fused) + casts": ALTERNATIVE_BYTES}
-    bytes_per.update({f"native {p} moments": BYTES[p] for p in precisions})
+        bytes_per[f"floor {precision} (same bytes)"] = BYTES[precision]
+        bytes_per[f"native {precision} moments"] = BYTES[precision]
+    variants[ALTERNATIVE] = FusedTorchAlternative(buffers)
+    bytes_per[ALTERNATIVE] = ALTERNATIVE_BYTES
     ds = deepspeed_variant(buffers)
     if ds is not None:
         variants["DeepSpeed CPU Adam (fp32 update)"] = ds

@@ -141,3 +141,43 @@ def test_fp8_sqrt_storage_keeps_v_that_direct_storage_would_flush():
     decoded = codecs.fp8_decode_v(codes, scale)
     assert (decoded[1:] > 0).all()
     assert ((decoded[1:] / v[1:]).sqrt() - 1).abs().max() < 0.5
+
+
+# -- non-finite values (docs/numerics.md section 6) ------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_fp8_block_scale_ignores_nonfinite_and_stores_the_nan_code(bad):
+    m = torch.randn(300) * 1e-3
+    clean_codes, clean_scale = codecs.fp8_encode_m(m, None)
+    m[200] = bad
+    codes, scale = codecs.fp8_encode_m(m, None)
+    s_codes, s_scale = codecs.fp8_encode_sqrt_v(m.abs(), None)
+    assert torch.equal(scale[[0, 2]], clean_scale[[0, 2]])
+    assert scale[1] == m[128:256][torch.isfinite(m[128:256])].abs().max() / codecs.E4M3_MAX
+    others = torch.arange(300) != 200
+    assert torch.equal(codes.view(torch.uint8)[others][:128], clean_codes.view(torch.uint8)[:128])
+    assert codes.view(torch.uint8)[200] == s_codes.view(torch.uint8)[200] == codecs.FP8_NAN_CODE
+    assert torch.isnan(codecs.fp8_decode(codes, scale)[200])
+    decoded = codecs.fp8_decode(codes, scale)
+    assert torch.isfinite(decoded[others]).all()
+
+
+def test_fp8_decode_of_nonfinite_codes_follows_torch():
+    e5m2 = torch.tensor([0x7C, 0xFC, 0x7D, 0x7F], dtype=torch.uint8).view(torch.float8_e5m2)
+    assert codecs.fp8_decode(e5m2, torch.ones(1)).tolist()[:2] == [float("inf"), float("-inf")]
+    assert torch.isnan(codecs.fp8_decode(e5m2, torch.ones(1))[2:]).all()
+    e4m3 = torch.tensor([0x7F, 0xFF, 0x7E], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    decoded = codecs.fp8_decode(e4m3, torch.ones(1))
+    assert torch.isnan(decoded[:2]).all() and decoded[2] == codecs.E4M3_MAX
+
+
+def test_canonical_nan_and_bf16_nearest_give_one_nan():
+    bits = torch.tensor([0x7FC00000, 0xFFC12345, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0x3F800000],
+                        dtype=torch.int64).to(torch.int32)
+    x = codecs.canonical_nan(bits.view(torch.float32))
+    assert x.view(torch.int32).tolist()[:4] == [0x7FC00000] * 4
+    assert x.view(torch.int32).tolist()[4:] == [0x7F800000, 0x3F800000]
+    as_bf16 = codecs.bf16_rne(x).view(torch.int16).tolist()
+    assert as_bf16 == [0x7FC0] * 4 + [0x7F80, 0x3F80]
+    r = torch.full((6,), 0xFFFF, dtype=torch.int64)
+    assert codecs.bf16_encode(x, r).view(torch.int16).tolist() == as_bf16  # SR: no carry

@@ -191,3 +191,169 @@ def test_eight_processes_importing_and_stepping_with_an_empty_cache_build_once(t
     assert len({out for _, out, _ in results}) == 1  # same backend, same weights
     assert results[0][1].startswith("native/")
     assert sum(err.count("adambridge: built") for _, _, err in results) == 1
+
+
+# -- non-finite gradients (docs/numerics.md section 6) -------------------------------------------
+
+NONFINITE = [("inf", float("inf")), ("-inf", float("-inf")), ("nan", float("nan"))]
+# NaNs whose payloads IEEE arithmetic would carry through: quiet, negative, signalling.
+ODD_NAN_BITS = [0x7FC00000, 0xFFC12345, 0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF]
+
+
+def _as_f32(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _nonfinite_steps(backend, precision, bad_index, bad_value, steps=3, numel=300):
+    """AdamW steps on numel elements where element bad_index's gradient is bad_value at
+    step 1 (None: 0 at every step), with the functional API, returning (master, m, v) fp32."""
+    state, _, _ = _problem(numel, precision, torch.float32, None)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        grad = torch.randn(numel, generator=gen) * 1e-2
+        grad[bad_index] = 0.0 if bad_value is None or step > 1 else bad_value
+        adamw_update(_items(state, grad, None, precision, step, [(0, numel)]), backend)
+    m, v = host_state.decode_moments(state)
+    return state["master"].clone(), m, v, state
+
+
+def _torch_adamw_steps(bad_index, bad_value, steps=3, numel=300):
+    master, _, _ = _problem(numel, "fp32", torch.float32, None)
+    p = torch.nn.Parameter(master["master"].clone())
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        grad = torch.randn(numel, generator=gen) * 1e-2
+        grad[bad_index] = bad_value if step == 1 else 0.0
+        p.grad = grad
+        opt.step()
+    st = opt.state[p]
+    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+# Per precision: how close a finite element stays to torch.optim.AdamW after 3 steps at lr 1e-3
+# (fp32 is the arithmetic contract; bf16 and fp8 moments add their rounding to each step).
+NONFINITE_TOL = {"fp32": (1e-6, 1e-7), "bf16": (0, 2e-5), "fp8": (0, 4e-4)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kind,value", NONFINITE, ids=[k for k, _ in NONFINITE])
+def test_native_nonfinite_gradient_spoils_only_its_own_element_as_in_torch(isa, precision, kind,
+                                                                           value):
+    bad = 130  # inside the second fp8 block, away from its edges
+    p, m, v, state = _nonfinite_steps("native", precision, bad, value)
+    ref_p, ref_m, ref_v = _torch_adamw_steps(bad, value)
+    for ours, ref in ((p, ref_p), (m, ref_m), (v, ref_v)):
+        assert torch.equal(~torch.isfinite(ours), ~torch.isfinite(ref))  # the same elements
+        assert torch.nonzero(~torch.isfinite(ours)).flatten().tolist() == [bad]
+        finite = torch.isfinite(ref)
+        rtol, atol = NONFINITE_TOL[precision]
+        torch.testing.assert_close(ours[finite], ref[finite], rtol=rtol, atol=atol)
+    # Exactly: every other element, the fp8 block scales included, has the bits of a run in
+    # which the bad element's gradient was 0 (it takes no part in its block's maxima).
+    clean_p, clean_m, clean_v, clean_state = _nonfinite_steps("native", precision, bad, None)
+    others = torch.arange(p.numel()) != bad
+    for ours, ref in ((p, clean_p), (m, clean_m), (v, clean_v)):
+        assert torch.equal(ours[others].view(torch.int32), ref[others].view(torch.int32))
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        if key in state:
+            assert torch.equal(state[key], clean_state[key])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("numel", [17, 4097])
+def test_native_nonfinite_values_equal_torch_backend_bitwise(isa, threads, precision, grad_dtype,
+                                                             numel):
+    # NaNs of every payload and infinities in the gradient and in the master, at vector lanes
+    # and in tails, over several steps (the fp8 NaN codes are decoded again at later steps).
+    def run(backend):
+        state, grad, out = _problem(numel, precision, grad_dtype, torch.bfloat16)
+        where = [0, 5, 16, numel - 1]
+        state["master"][3] = _as_f32(ODD_NAN_BITS[1])
+        for step in range(1, 4):
+            g = grad.float()
+            for j, bits in enumerate(ODD_NAN_BITS[: len(where)]):
+                g[(where[j] + step) % numel] = _as_f32(bits)
+            g[(7 * step) % numel] = float("inf") if step % 2 else float("-inf")
+            adamw_update(_items(state, g.to(grad_dtype), out, precision, step, [(0, numel)]),
+                         backend)
+        state = {k: t for k, t in state.items() if k != "step"}
+        return dict(state, out=out)
+    ours, ref = run("native"), run("torch")
+    _assert_bitwise_equal([ours[k] for k in sorted(ours)], [ref[k] for k in sorted(ref)])
+    master = ours["master"]
+    nans = master.view(torch.int32)[torch.isnan(master)]
+    assert nans.numel() >= 4 and (nans == 0x7FC00000).all()  # one canonical NaN
+    assert (ours["out"].view(torch.int16)[torch.isnan(master)] == 0x7FC0).all()
+
+
+# -- the cached native batch ---------------------------------------------------------------------
+
+def test_stream_keys_equal_stream_key_per_parameter():
+    from adambridge.functional import stream_keys
+    indices = [0, 1, 7, 2**31 + 5, 2**32 - 1]
+    assert stream_keys(3, 11, indices).tolist() == [codecs.stream_key(3, 11, i) for i in indices]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_native_batch_with_refreshed_steps_equals_adamw_update(threads, precision):
+    from adambridge.functional import NativeBatch, stream_keys
+    sizes = [1, 17, 300, 1000, 129]
+
+    def problems():
+        return [_problem(n, precision, torch.bfloat16, torch.bfloat16, seed=i)
+                for i, n in enumerate(sizes)]
+    plain, cached = problems(), problems()
+    batch = None
+    for step in (1, 2, 3):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + i)).to(
+            torch.bfloat16 if step != 2 else torch.float32) for i, n in enumerate(sizes)]
+        hyper = Hyper.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                               step=step)
+        items = []
+        for i, (st, _, out) in enumerate(plain):
+            item = _items(st, grads[i], out, precision, step, [(0, sizes[i])])[0]
+            item.key = codecs.stream_key(5, step, i)
+            items.append(item)
+        adamw_update(items, "native")
+        if batch is None:
+            batch = NativeBatch([_items(st, grads[i], out, precision, 1, [(0, sizes[i])])[0]
+                                 for i, (st, _, out) in enumerate(cached)])
+        batch.set_grads(grads)
+        batch.set_step(stream_keys(5, step, range(len(sizes))), hyper)
+        batch.run()
+    for (a, _, oa), (b, _, ob) in zip(plain, cached):
+        keys = sorted(k for k in a if k != "step")
+        _assert_bitwise_equal([a[k] for k in keys] + [oa], [b[k] for k in keys] + [ob])
+
+
+def test_native_batch_rejects_a_gradient_of_the_wrong_size():
+    from adambridge.functional import NativeBatch
+    state, grad, out = _problem(100, "fp32", torch.float32, None)
+    batch = NativeBatch(_items(state, grad, out, "fp32", 1, [(0, 100)]))
+    with pytest.raises(ValueError, match=r"Invalid grad: the native kernel needs a contiguous CPU "
+                                         r"tensor of 100 elements"):
+        batch.set_grads([torch.zeros(99)])
+
+
+def test_native_batch_of_items_with_different_hyperparameters_equals_one_by_one():
+    # Rows of one call share Hyper objects per group; three groups interleaved must each get
+    # their own scalars.
+    lrs = [1e-3, 3e-2, 1e-3, 5e-4, 3e-2]
+    def run(batched):
+        problems = [_problem(100, "fp32", torch.float32, None, seed=i) for i in range(len(lrs))]
+        hypers = {lr: Hyper.for_step(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                     step=2) for lr in lrs}
+        items = []
+        for (state, grad, out), lr in zip(problems, lrs):
+            item = _items(state, grad, out, "fp32", 2, [(0, 100)])[0]
+            item.hyper = hypers[lr]
+            items.append(item)
+        if batched:
+            adamw_update(items, "native")
+        else:
+            for item in items:
+                adamw_update([item], "native")
+        return [s["master"] for s, _, _ in problems]
+    _assert_bitwise_equal(run(True), run(False))

@@ -16,7 +16,9 @@
 #define AB_API __attribute__((visibility("default")))
 #endif
 
-#define AB_ABI_VERSION 1
+/* 2: ab_hyper carries step_size and eps already scaled by sqrt(1 - beta2^t) (one divide per
+ * element); non-finite values follow docs/numerics.md section 6. */
+#define AB_ABI_VERSION 2
 
 /* Element types of gradients and of the low-precision parameter copy. */
 enum ab_dtype { AB_F32 = 0, AB_BF16 = 1, AB_F16 = 2, AB_NONE = 3 };
@@ -44,9 +46,9 @@ typedef struct ab_hyper {
     float one_minus_beta1;
     float one_minus_beta2;
     float decay;      /* 1 - lr * weight_decay */
-    float step_size;  /* lr / (1 - beta1^t) */
-    float bc2_sqrt;   /* sqrt(1 - beta2^t) */
-    float eps;
+    float step_size;  /* step_hat = lr * sqrt(1 - beta2^t) / (1 - beta1^t) (Hyper.step_hat) */
+    float eps;        /* eps_hat = eps * sqrt(1 - beta2^t) (Hyper.eps_hat) */
+    float reserved;   /* ignored; 0 */
 } ab_hyper;
 
 /* One contiguous range [offset, offset + n) of one parameter. */

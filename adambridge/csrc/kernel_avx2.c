@@ -25,7 +25,7 @@
 
 /* The per-tensor scalars, broadcast once per call. */
 typedef struct {
-    __m256 decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+    __m256 decay, beta1, omb1, beta2, omb2, eps, step_size;
 } avx2_hyper;
 
 static void avx2_hyper_init(avx2_hyper *h, const ab_hyper *s)
@@ -35,12 +35,18 @@ static void avx2_hyper_init(avx2_hyper *h, const ab_hyper *s)
     h->omb1 = _mm256_set1_ps(s->one_minus_beta1);
     h->beta2 = _mm256_set1_ps(s->beta2);
     h->omb2 = _mm256_set1_ps(s->one_minus_beta2);
-    h->bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt);
     h->eps = _mm256_set1_ps(s->eps);
     h->step_size = _mm256_set1_ps(s->step_size);
 }
 
-/* Section 1 on 8 lanes; returns s = sqrt(v). */
+/* ab_canon on 8 lanes: a NaN becomes 0x7fc00000. */
+AB_INLINE __m256 avx2_canon(__m256 x)
+{
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)AB_CANON_NAN)), nan);
+}
+
+/* Section 1 on 8 lanes; returns s = sqrt(v); p is canonical. */
 AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m, __m256 *v)
 {
     /* p = p * decay */
@@ -55,131 +61,14 @@ AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m,
     *v = _mm256_add_ps(*v, _mm256_mul_ps(_mm256_mul_ps(g, g), h->omb2));
     /* s = sqrt(v) */
     __m256 s = _mm256_sqrt_ps(*v);
-    /* d = s / bc2_sqrt + eps_f */
-    __m256 d = _mm256_add_ps(_mm256_div_ps(s, h->bc2_sqrt), h->eps);
-    /* p = p - step_size * (m / d) */
-    *p = _mm256_sub_ps(*p, _mm256_mul_ps(h->step_size, _mm256_div_ps(*m, d)));
+    /* d = s + eps_hat */
+    __m256 d = _mm256_add_ps(s, h->eps);
+    /* p = p - step_hat * (m / d) */
+    *p = avx2_canon(_mm256_sub_ps(*p, _mm256_mul_ps(h->step_size, _mm256_div_ps(*m, d))));
     return s;
 }
 
-/* ---- codecs ---------------------------------------------------------------------------- */
-
-/* mix32(x) on 8 lanes (section 2). */
-AB_INLINE __m256i avx2_mix32(__m256i x)
-{
-    /* x ^= x >> 16; x *= 0x7feb352d */
-    x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)),
-                           _mm256_set1_epi32(0x7feb352d));
-    /* x ^= x >> 15; x *= 0x846ca68b */
-    x = _mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 15)),
-                           _mm256_set1_epi32((int)0x846ca68bu));
-    /* x ^= x >> 16 */
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-/* 8 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (vcvtph2ps). */
-AB_INLINE __m256 avx2_load_half(const uint16_t *src, int dtype)
-{
-    __m128i h = _mm_loadu_si128((const __m128i *)src);
-    if (dtype == AB_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
-AB_INLINE __m256 avx2_load_grad(const void *g, int64_t i, int dtype)
-{
-    if (dtype == AB_F32)
-        return _mm256_loadu_ps((const float *)g + i);
-    return avx2_load_half((const uint16_t *)g + i, dtype);
-}
-
-/* Narrow 8 u32 lanes holding values < 2^16 to 8 u16, in order. */
-AB_INLINE __m128i avx2_narrow16(__m256i x)
-{
-    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-}
-
-/* bf16 RNE on 8 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
-AB_INLINE __m256i avx2_bf16_rne(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
-    return _mm256_srli_epi32(u, 16);
-}
-
-/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
-AB_INLINE __m256i avx2_bf16_out(__m256 x)
-{
-    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16),
-                                    _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(avx2_bf16_rne(x), quiet, _mm256_castps_si256(nan));
-}
-
-AB_INLINE void avx2_store_out(void *out, int64_t i, __m256 p, int dtype, int nt)
-{
-    if (dtype == AB_F32) {
-        if (nt)
-            _mm256_stream_ps((float *)out + i, p);
-        else
-            _mm256_storeu_ps((float *)out + i, p);
-        return;
-    }
-    if (dtype == AB_NONE)
-        return;
-    __m128i h = dtype == AB_BF16 ? avx2_narrow16(avx2_bf16_out(p))
-                                 : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
-    __m128i *dst = (__m128i *)((uint16_t *)out + i);
-    if (nt)
-        _mm_stream_si128(dst, h);
-    else
-        _mm_storeu_si128(dst, h);
-}
-
-/* fp8 decode through F16C, exact. An E5M2 code is the top byte of the fp16 with the same
- * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
- * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
- * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
- * and h * (256 * scale) round the same product once. Codes past the largest finite one
- * decode by the formula in the scalar code but not here (E5M2 E == 31 is an fp16 inf/NaN):
- * blocks holding them, never written by the encoder, take the scalar path. */
-AB_INLINE __m256 avx2_e5m2_decode(__m128i c)   /* the 8 codes in the low 8 bytes */
-{
-    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), c));
-}
-
-AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
-{
-    /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
-    __m128i h = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), c), 1);
-    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
-}
-
-/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
- * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
- *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
- *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
- *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
- *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
- *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
- *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
- *   code = (d << mbits) + y. */
-AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256 r16)
-{
-    int sh = sr ? 16 : 0;
-    /* d << 23, d = max(e, emin) - emin */
-    __m256i w = _mm256_subs_epu16(_mm256_castps_si256(x), _mm256_set1_epi32((127 + emin) << 23));
-    __m256i d23 = _mm256_and_si256(w, _mm256_set1_epi32((int)0xff800000u));
-    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
-    __m256 inv_q = _mm256_castsi256_ps(
-        _mm256_sub_epi32(_mm256_set1_epi32((127 + mbits + sh - emin) << 23), d23));
-    __m256 t = _mm256_mul_ps(x, inv_q);
-    /* y = floor(t + u) or y = rint(t) */
-    __m256i y = sr ? _mm256_cvttps_epi32(_mm256_add_ps(t, r16)) : _mm256_cvtps_epi32(t);
-    /* code = ((ee - emin) << mbits) + y */
-    return _mm256_add_epi32(y, _mm256_srli_epi32(d23, 23 - mbits - sh));
-}
+#include "simd_avx2.h"
 
 /* ---- fp32 and bf16 moments ------------------------------------------------------------- */
 
@@ -200,6 +89,9 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
+        if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
+            ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
+                                prec == AB_MOMENTS_F32 ? 4 : 2);
         __m256 p = _mm256_loadu_ps(pp + i);
         __m256 g = avx2_load_grad(gp, i, G);
         __m256 m, v;
@@ -211,6 +103,8 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
             v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
         }
         avx2_adamw(&h, &p, g, &m, &v);
+        m = avx2_canon(m);                             /* a NaN m or v: 0x7fc00000 */
+        v = avx2_canon(v);
         _mm256_storeu_ps(pp + i, p);
         if (prec == AB_MOMENTS_F32) {
             _mm256_storeu_ps((float *)mp + i, m);
@@ -241,25 +135,12 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
-/* Whether the block must take the scalar path: its v codes hold an E5M2 exponent of 31, or
- * 256 * scale_m overflows (see avx2_e4m3_decode_div256). Neither is ever written. */
-AB_INLINE int avx2_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
+/* Whether the block must take the scalar path: 256 * scale_m overflows (see
+ * avx2_e4m3_decode_div256); never written, possible only in a hand-made state. */
+AB_INLINE int avx2_fp8_scale_odd(float scale_m)
 {
     uint32_t s = ab_as_u32(scale_m) & 0x7fffffffu;
-    if (s >= 0x7b800000u && s < 0x7f800000u)           /* 2^120 <= |scale_m| < inf */
-        return 1;
-    int64_t j = 0;
-    __m256i acc = _mm256_setzero_si256();
-    for (; j + 32 <= n; j += 32) {                     /* max of (code << 1) & 0xff */
-        __m256i c = _mm256_loadu_si256((const __m256i *)(qv + j));
-        acc = _mm256_max_epu8(acc, _mm256_add_epi8(c, c));
-    }
-    /* E == 31 <=> (code << 1) & 0xff >= 0xf8 */
-    __m256i hit = _mm256_cmpeq_epi8(_mm256_max_epu8(acc, _mm256_set1_epi8((char)0xf8)), acc);
-    int odd = !_mm256_testz_si256(hit, hit);
-    for (; j < n; j++)
-        odd |= (qv[j] & 0x7cu) == 0x7cu;
-    return odd;
+    return s >= 0x7b800000u && s < 0x7f800000u;        /* 2^120 <= |scale_m| < inf */
 }
 
 /* A block between its two passes: where its codes go, the kept m and s, 1/scale. */
@@ -290,9 +171,10 @@ AB_INLINE void avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t
     s = avx2_adamw(h, &p, g, &m, &v);
     _mm256_storeu_ps(pp + i, p);
     avx2_store_out(t->out, i, p, O, nt);
-    /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
-    *vmax_m = _mm256_max_ps(_mm256_and_ps(m, abs_mask), *vmax_m);
-    *vmax_s = _mm256_max_ps(s, *vmax_s);
+    /* amax_m = max finite |m|; amax_s = max finite s (a non-finite lane counts as 0) */
+    __m256 am = _mm256_and_ps(m, abs_mask), inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
+    *vmax_m = _mm256_max_ps(_mm256_and_ps(am, _mm256_cmp_ps(am, inf, _CMP_LT_OQ)), *vmax_m);
+    *vmax_s = _mm256_max_ps(_mm256_and_ps(s, _mm256_cmp_ps(s, inf, _CMP_LT_OQ)), *vmax_s);
     _mm256_store_ps(mbuf + j, m);
     _mm256_store_ps(sbuf + j, s);
 }
@@ -313,7 +195,7 @@ AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scal
     b->inv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
 }
 
-/* The absmax of the 8 lanes of vmax_m and of vmax_s (none is NaN or -0, so any order gives
+/* The absmax of the 8 lanes of vmax_m and of vmax_s (finite, none is -0, so any order gives
  * the scalar loop's result). */
 AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float *amax_s)
 {
@@ -358,6 +240,13 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
     __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
     cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg),
                                               _mm256_set1_epi32(0x80 << (8 * cb))));
+    /* a non-finite m or s: the NaN code */
+    __m256 inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
+    __m256i nan_code = _mm256_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
+    __m256 fin_m = _mm256_cmp_ps(_mm256_and_ps(m, abs_mask), inf, _CMP_LT_OQ);
+    __m256 fin_s = _mm256_cmp_ps(s, inf, _CMP_LT_OQ);
+    cm = _mm256_blendv_epi8(nan_code, cm, _mm256_castps_si256(fin_m));
+    cv = _mm256_blendv_epi8(nan_code, cv, _mm256_castps_si256(fin_s));
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -372,7 +261,6 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
 {
     AB_ALIGN64 float mbuf[AB_BLOCK];
     AB_ALIGN64 float sbuf[AB_BLOCK];
-    float *pp = t->param;
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
@@ -384,18 +272,8 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     float amax_m, amax_s;
     avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s);
     for (; j < n; j++) {                               /* tail: the scalar lines */
-        int64_t i = b0 + j;
-        float g = ab_load_grad(t->grad, i, G);
-        float m = ab_e4m3_decode(qm[j]) * *scale_m;
-        float svj = ab_e5m2_decode(qv[j]) * *scale_v;
-        float v = svj * svj;
-        float s = ab_adamw_elem(&t->hyper, &pp[i], g, &m, &v);
-        ab_store_out(t->out, i, pp[i], O);
-        float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);
-        amax_m = am > amax_m ? am : amax_m;
-        amax_s = s > amax_s ? s : amax_s;
-        mbuf[j] = m;
-        sbuf[j] = s;
+        sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
+        ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
     }
     avx2_fp8_pending b = {qm, qv, mbuf, sbuf, _mm256_setzero_ps(), _mm256_setzero_ps(),
                           _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)),
@@ -406,15 +284,7 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
         avx2_fp8_encode8(&b, j, kh, sr);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
-        float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
-        float xm = am * inv_m;
-        xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
-        float xv = sbuf[j] * inv_v;
-        xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
-        uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
-        uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
-        qm[j] = (uint8_t)(cm | (mbuf[j] < 0.0f ? 0x80u : 0u));
-        qv[j] = (uint8_t)cv;
+        ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
     }
 }
 
@@ -426,8 +296,10 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
+                            AB_BLOCK, ab_dtype_size(G), 1);
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        if (avx2_fp8_block_odd((uint8_t *)t->exp_avg_sq + b0, n, t->exp_avg_scale[b0 / AB_BLOCK]))
+        if (avx2_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
         else
             avx2_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);

@@ -26,7 +26,7 @@
 #endif
 
 typedef struct {
-    __m512 decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+    __m512 decay, beta1, omb1, beta2, omb2, eps, step_size;
 } avx512_hyper;
 
 static void avx512_hyper_init(avx512_hyper *h, const ab_hyper *s)
@@ -36,12 +36,18 @@ static void avx512_hyper_init(avx512_hyper *h, const ab_hyper *s)
     h->omb1 = _mm512_set1_ps(s->one_minus_beta1);
     h->beta2 = _mm512_set1_ps(s->beta2);
     h->omb2 = _mm512_set1_ps(s->one_minus_beta2);
-    h->bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt);
     h->eps = _mm512_set1_ps(s->eps);
     h->step_size = _mm512_set1_ps(s->step_size);
 }
 
-/* Section 1 on 16 lanes; returns s = sqrt(v). */
+/* ab_canon on 16 lanes: a NaN becomes 0x7fc00000. */
+AB_INLINE __m512 avx512_canon(__m512 x)
+{
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
+}
+
+/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
 AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
 {
     /* p = p * decay */
@@ -56,176 +62,24 @@ AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512
     *v = _mm512_add_ps(*v, _mm512_mul_ps(_mm512_mul_ps(g, g), h->omb2));
     /* s = sqrt(v) */
     __m512 s = _mm512_sqrt_ps(*v);
-    /* d = s / bc2_sqrt + eps_f */
-    __m512 d = _mm512_add_ps(_mm512_div_ps(s, h->bc2_sqrt), h->eps);
-    /* p = p - step_size * (m / d) */
-    *p = _mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d)));
+    /* d = s + eps_hat */
+    __m512 d = _mm512_add_ps(s, h->eps);
+    /* p = p - step_hat * (m / d) */
+    *p = avx512_canon(_mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d))));
     return s;
 }
 
-/* ---- masked memory access: k selects the lanes (all 16 when full) ---------------------- */
-
-AB_INLINE __m512 avx512_load_f32(const float *src, __mmask16 k, int full)
-{
-    return full ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(k, src);
-}
-AB_INLINE void avx512_store_f32(float *dst, __m512 x, __mmask16 k, int full)
-{
-    if (full)
-        _mm512_storeu_ps(dst, x);
-    else
-        _mm512_mask_storeu_ps(dst, k, x);
-}
-AB_INLINE __m256i avx512_load_u16(const uint16_t *src, __mmask16 k, int full)
-{
-    return full ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskz_loadu_epi16(k, src);
-}
-AB_INLINE void avx512_store_u16(uint16_t *dst, __m256i x, __mmask16 k, int full)
-{
-    if (full)
-        _mm256_storeu_si256((__m256i *)dst, x);
-    else
-        _mm256_mask_storeu_epi16(dst, k, x);
-}
-AB_INLINE __m128i avx512_load_u8(const uint8_t *src, __mmask16 k, int full)
-{
-    return full ? _mm_loadu_si128((const __m128i *)src) : _mm_maskz_loadu_epi8(k, src);
-}
-AB_INLINE void avx512_store_u8(uint8_t *dst, __m128i x, __mmask16 k, int full)
-{
-    if (full)
-        _mm_storeu_si128((__m128i *)dst, x);
-    else
-        _mm_mask_storeu_epi8(dst, k, x);
-}
-
-/* ---- codecs ---------------------------------------------------------------------------- */
-
-/* mix32(x) on 16 lanes (section 2). */
-AB_INLINE __m512i avx512_mix32(__m512i x)
-{
-    /* x ^= x >> 16; x *= 0x7feb352d */
-    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)),
-                           _mm512_set1_epi32(0x7feb352d));
-    /* x ^= x >> 15; x *= 0x846ca68b */
-    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)),
-                           _mm512_set1_epi32((int)0x846ca68bu));
-    /* x ^= x >> 16 */
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-/* 16 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (vcvtph2ps). */
-AB_INLINE __m512 avx512_half_to_f32(__m256i h, int dtype)
-{
-    if (dtype == AB_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-
-AB_INLINE __m512 avx512_load_grad(const void *g, int64_t i, int dtype, __mmask16 k, int full)
-{
-    if (dtype == AB_F32)
-        return avx512_load_f32((const float *)g + i, k, full);
-    return avx512_half_to_f32(avx512_load_u16((const uint16_t *)g + i, k, full), dtype);
-}
-
-/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
-AB_INLINE __m512i avx512_bf16_rne(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    return _mm512_srli_epi32(u, 16);
-}
-
-/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
-AB_INLINE __m512i avx512_bf16_out(__m512 x)
-{
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
-                                    _mm512_set1_epi32(0x40));
-    return _mm512_mask_blend_epi32(nan, avx512_bf16_rne(x), quiet);
-}
-
-AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int nt, __mmask16 k,
-                                int full)
-{
-    if (dtype == AB_F32) {
-        if (nt && full)
-            _mm512_stream_ps((float *)out + i, p);
-        else
-            avx512_store_f32((float *)out + i, p, k, full);
-        return;
-    }
-    if (dtype == AB_NONE)
-        return;
-    __m256i h = dtype == AB_BF16 ? _mm512_cvtepi32_epi16(avx512_bf16_out(p))
-                                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    uint16_t *dst = (uint16_t *)out + i;
-    if (nt && full)
-        _mm256_stream_si256((__m256i *)dst, h);
-    else
-        avx512_store_u16(dst, h, k, full);
-}
-
-/* fp8 decode through F16C, exact. An E5M2 code is the top byte of the fp16 with the same
- * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
- * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
- * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
- * and h * (256 * scale) round the same product once. Codes past the largest finite one
- * decode by the formula in the scalar code but not here (E5M2 E == 31 is an fp16 inf/NaN):
- * blocks holding them, never written by the encoder, take the scalar path. */
-AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
-{
-    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
-}
-
-AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
-{
-    /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
-    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
-    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
-}
-
-/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
- * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
- *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
- *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
- *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
- *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
- *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
- *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
- *   code = (d << mbits) + y. */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512 r16)
-{
-    int sh = sr ? 16 : 0;
-    /* d << 23, d = max(e, emin) - emin */
-    __m512i w = _mm512_subs_epu16(_mm512_castps_si512(x), _mm512_set1_epi32((127 + emin) << 23));
-    __m512i d23 = _mm512_and_si512(w, _mm512_set1_epi32((int)0xff800000u));
-    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
-    __m512 inv_q = _mm512_castsi512_ps(
-        _mm512_sub_epi32(_mm512_set1_epi32((127 + mbits + sh - emin) << 23), d23));
-    __m512 t = _mm512_mul_ps(x, inv_q);
-    /* y = floor(t + u) or y = rint(t) */
-    __m512i y = sr ? _mm512_cvttps_epi32(_mm512_add_ps(t, r16)) : _mm512_cvtps_epi32(t);
-    /* code = ((ee - emin) << mbits) + y */
-    return _mm512_add_epi32(y, _mm512_srli_epi32(d23, 23 - mbits - sh));
-}
-
-/* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */
-AB_INLINE __m512 avx512_abs(__m512 x)
-{
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-}
+#include "simd_avx512.h"
 
 /* ---- fp32 and bf16 moments ------------------------------------------------------------- */
 
 #define AVX512_IOTA _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 
-/* 16 elements from i (the lanes in k when not full). */
-AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp, void *mp, void *vp,
-                                void *op, int64_t i, __m512i kh, __m512i idx, int G, int O,
-                                int prec, int sr, int nt, __mmask16 k, int full)
+/* Decode and update 16 elements from i (the lanes in k when not full), store p and fp32
+ * moments; for bf16 moments return their codes in u32 lanes (*qm, *qv). */
+AB_INLINE __m512 avx512_flat_update(const avx512_hyper *h, float *pp, const void *gp, void *mp,
+                                    void *vp, int64_t i, __m512i kh, __m512i idx, int G, int prec,
+                                    int sr, __mmask16 k, int full, __m512i *qm, __m512i *qv)
 {
     __m512 p = avx512_load_f32(pp + i, k, full);
     __m512 g = avx512_load_grad(gp, i, G, k, full);
@@ -239,28 +93,71 @@ AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp
         v = avx512_half_to_f32(avx512_load_u16((uint16_t *)vp + i, k, full), AB_BF16);
     }
     avx512_adamw(h, &p, g, &m, &v);
+    /* a NaN m or v is stored as 0x7fc00000 */
+    m = avx512_canon(m);
+    v = avx512_canon(v);
     avx512_store_f32(pp + i, p, k, full);
     if (prec == AB_MOMENTS_F32) {
         avx512_store_f32((float *)mp + i, m, k, full);
         avx512_store_f32((float *)vp + i, v, k, full);
+    } else if (sr) {
+        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+        /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+        *qm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(m),
+                                _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
+        /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+        *qv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v),
+                                _mm512_srli_epi32(r, 16)), 16);
     } else {
-        __m512i qm, qv;
-        if (sr) {
-            __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
-            /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
-            qm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(m),
-                                   _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
-            /* qv = (as_u32(v) + (r >> 16)) >> 16 */
-            qv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v),
-                                   _mm512_srli_epi32(r, 16)), 16);
-        } else {
-            qm = avx512_bf16_rne(m);
-            qv = avx512_bf16_rne(v);
-        }
+        *qm = avx512_bf16_rne(m);
+        *qv = avx512_bf16_rne(v);
+    }
+    return p;
+}
+
+/* 16 elements from i (the lanes in k when not full): update, store codes and the copy. */
+AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp, void *mp, void *vp,
+                                void *op, int64_t i, __m512i kh, __m512i idx, int G, int O,
+                                int prec, int sr, int nt, __mmask16 k, int full)
+{
+    __m512i qm, qv;
+    __m512 p = avx512_flat_update(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, k, full, &qm, &qv);
+    if (prec != AB_MOMENTS_F32) {
         avx512_store_u16((uint16_t *)mp + i, _mm512_cvtepi32_epi16(qm), k, full);
         avx512_store_u16((uint16_t *)vp + i, _mm512_cvtepi32_epi16(qv), k, full);
     }
     avx512_store_out(op, i, p, O, nt, k, full);
+}
+
+/* 32 elements from i: two 16-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
+ * narrowed in pairs (avx512_narrow16x2) into one 64-byte store each. */
+AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *gp, void *mp,
+                                  void *vp, void *op, int64_t i, __m512i kh, __m512i idx, int G,
+                                  int O, int prec, int sr, int nt)
+{
+    __m512i qm0, qv0, qm1, qv1;
+    __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    /* prefetch AB_PREFETCH elements ahead in every read stream (see codecs.h) */
+    ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
+                        prec == AB_MOMENTS_F32 ? 4 : 2);
+    __m512 p0 = avx512_flat_update(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, 0xffff, 1, &qm0, &qv0);
+    __m512 p1 = avx512_flat_update(h, pp, gp, mp, vp, i + 16, kh, idx1, G, prec, sr, 0xffff, 1,
+                                   &qm1, &qv1);
+    if (prec != AB_MOMENTS_F32) {
+        _mm512_storeu_si512((uint16_t *)mp + i, avx512_narrow16x2(qm0, qm1));
+        _mm512_storeu_si512((uint16_t *)vp + i, avx512_narrow16x2(qv0, qv1));
+    }
+    if (O == AB_BF16) {
+        /* the copy: RNE of both halves, narrowed together */
+        __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
+        if (nt)
+            _mm512_stream_si512((__m512i *)((uint16_t *)op + i), c);
+        else
+            _mm512_storeu_si512((uint16_t *)op + i, c);
+    } else {
+        avx512_store_out(op, i, p0, O, nt, 0xffff, 1);
+        avx512_store_out(op, i + 16, p1, O, nt, 0xffff, 1);
+    }
 }
 
 AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -276,6 +173,10 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)gi), AVX512_IOTA);
     int64_t i = begin;
+    for (; i + 32 <= end; i += 32) {
+        avx512_flat_step32(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(32));
+    }
     for (; i + 16 <= end; i += 16) {
         avx512_flat_step(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt, 0xffff, 1);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
@@ -307,9 +208,12 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     s = avx512_adamw(h, &p, g, &m, &v);
     avx512_store_f32(pp + i, p, k, full);
     avx512_store_out(t->out, i, p, O, nt, k, full);
-    /* amax_m = max |m|; amax_s = max s  (max_ps(a, b) is a > b ? a : b, as in scalar) */
-    *vmax_m = _mm512_mask_max_ps(*vmax_m, k, avx512_abs(m), *vmax_m);
-    *vmax_s = _mm512_mask_max_ps(*vmax_s, k, s, *vmax_s);
+    /* amax_m = max finite |m|; amax_s = max finite s (the lanes in k) */
+    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
+    __mmask16 fin_m = _mm512_mask_cmp_ps_mask(k, am, inf, _CMP_LT_OQ);
+    __mmask16 fin_s = _mm512_mask_cmp_ps_mask(k, s, inf, _CMP_LT_OQ);
+    *vmax_m = _mm512_mask_max_ps(*vmax_m, fin_m, am, *vmax_m);
+    *vmax_s = _mm512_mask_max_ps(*vmax_s, fin_s, s, *vmax_s);
     _mm512_store_ps(mbuf + j, m);
     _mm512_store_ps(sbuf + j, s);
 }
@@ -339,6 +243,11 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
     /* sign bit when m < 0 */
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
     cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80 << (8 * cb)));
+    /* a non-finite m or s: the NaN code */
+    __m512 inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
+    __m512i nan_code = _mm512_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
+    cm = _mm512_mask_mov_epi32(cm, _mm512_cmp_ps_mask(avx512_abs(m), inf, _CMP_NLT_UQ), nan_code);
+    cv = _mm512_mask_mov_epi32(cv, _mm512_cmp_ps_mask(s, inf, _CMP_NLT_UQ), nan_code);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cm, 8 * cb)), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cv, 8 * cb)), k, full);
 }
@@ -359,7 +268,7 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
     if (j < n)                                         /* tail: masked lanes */
         avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
-    /* the lanes' maxima (none is NaN or -0, so any order gives the scalar loop's result) */
+    /* the lanes' maxima (finite, none is -0, so any order gives the scalar loop's result) */
     float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
@@ -375,24 +284,12 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
         avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
 }
 
-/* Whether the block must take the scalar path: its v codes hold an E5M2 exponent of 31, or
- * 256 * scale_m overflows (see avx512_e4m3_decode_div256). Neither is ever written. */
-AB_INLINE int avx512_fp8_block_odd(const uint8_t *qv, int64_t n, float scale_m)
+/* Whether the block must take the scalar path: 256 * scale_m overflows (see
+ * avx512_e4m3_decode_div256); never written, possible only in a hand-made state. */
+AB_INLINE int avx512_fp8_scale_odd(float scale_m)
 {
     uint32_t s = ab_as_u32(scale_m) & 0x7fffffffu;
-    if (s >= 0x7b800000u && s < 0x7f800000u)           /* 2^120 <= |scale_m| < inf */
-        return 1;
-    int64_t j = 0;
-    __m512i acc = _mm512_setzero_si512();
-    for (; j + 64 <= n; j += 64) {                     /* max of (code << 1) & 0xff */
-        __m512i c = _mm512_loadu_si512((const void *)(qv + j));
-        acc = _mm512_max_epu8(acc, _mm512_add_epi8(c, c));
-    }
-    /* E == 31 <=> (code << 1) & 0xff >= 0xf8 */
-    int odd = _mm512_cmpge_epu8_mask(acc, _mm512_set1_epi8((char)0xf8)) != 0;
-    for (; j < n; j++)
-        odd |= (qv[j] & 0x7cu) == 0x7cu;
-    return odd;
+    return s >= 0x7b800000u && s < 0x7f800000u;        /* 2^120 <= |scale_m| < inf */
 }
 
 AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -404,7 +301,9 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        if (avx512_fp8_block_odd((uint8_t *)t->exp_avg_sq + b0, n, t->exp_avg_scale[b0 / AB_BLOCK]))
+        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
+                            AB_BLOCK, ab_dtype_size(G), 1);
+        if (avx512_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
         else
             avx512_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
@@ -443,9 +342,10 @@ AB_NOINLINE void avx512_fp8(const ab_tensor *t, int64_t begin, int64_t end, int 
 void ab_update_avx512(const ab_tensor *t, int64_t begin, int64_t end, int flags)
 {
     int osize = ab_dtype_size(t->out_dtype);
-    /* non-temporal stores need every 16-element store of `out` aligned: check the first */
+    /* non-temporal stores need every store of `out` aligned (64 bytes: 32 bf16 or 16 fp32
+     * elements, 16 fp16): check the first */
     int nt = (flags & AB_KFLAG_STREAM_OUT) && osize &&
-             ((uintptr_t)((char *)t->out + begin * osize) % (16 * (uintptr_t)osize)) == 0;
+             ((uintptr_t)((char *)t->out + begin * osize) % 64) == 0;
     if (t->precision == AB_MOMENTS_F32)
         avx512_f32(t, begin, end, nt);
     else if (t->precision == AB_MOMENTS_BF16)

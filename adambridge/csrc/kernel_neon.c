@@ -16,7 +16,7 @@
 #include <arm_neon.h>
 
 typedef struct {
-    float32x4_t decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, step_size;
+    float32x4_t decay, beta1, omb1, beta2, omb2, eps, step_size;
 } neon_hyper;
 
 static void neon_hyper_init(neon_hyper *h, const ab_hyper *s)
@@ -26,12 +26,17 @@ static void neon_hyper_init(neon_hyper *h, const ab_hyper *s)
     h->omb1 = vdupq_n_f32(s->one_minus_beta1);
     h->beta2 = vdupq_n_f32(s->beta2);
     h->omb2 = vdupq_n_f32(s->one_minus_beta2);
-    h->bc2_sqrt = vdupq_n_f32(s->bc2_sqrt);
     h->eps = vdupq_n_f32(s->eps);
     h->step_size = vdupq_n_f32(s->step_size);
 }
 
-/* Section 1 on 4 lanes; returns s = sqrt(v). */
+/* ab_canon on 4 lanes: a NaN becomes 0x7fc00000. */
+AB_INLINE float32x4_t neon_canon(float32x4_t x)
+{
+    return vbslq_f32(vceqq_f32(x, x), x, vreinterpretq_f32_u32(vdupq_n_u32(AB_CANON_NAN)));
+}
+
+/* Section 1 on 4 lanes; returns s = sqrt(v); p is canonical. */
 AB_INLINE float32x4_t neon_adamw(const neon_hyper *h, float32x4_t *p, float32x4_t g,
                                  float32x4_t *m, float32x4_t *v)
 {
@@ -47,16 +52,22 @@ AB_INLINE float32x4_t neon_adamw(const neon_hyper *h, float32x4_t *p, float32x4_
     *v = vaddq_f32(*v, vmulq_f32(vmulq_f32(g, g), h->omb2));
     /* s = sqrt(v) */
     float32x4_t s = vsqrtq_f32(*v);
-    /* d = s / bc2_sqrt + eps_f */
-    float32x4_t d = vaddq_f32(vdivq_f32(s, h->bc2_sqrt), h->eps);
-    /* p = p - step_size * (m / d) */
-    *p = vsubq_f32(*p, vmulq_f32(h->step_size, vdivq_f32(*m, d)));
+    /* d = s + eps_hat */
+    float32x4_t d = vaddq_f32(s, h->eps);
+    /* p = p - step_hat * (m / d) */
+    *p = neon_canon(vsubq_f32(*p, vmulq_f32(h->step_size, vdivq_f32(*m, d))));
     return s;
 }
 
 /* a > b ? a : b and a < b ? a : b, lane by lane (the scalar semantics, NaN included). */
 AB_INLINE float32x4_t neon_max(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
 AB_INLINE float32x4_t neon_min(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+/* x where |x| < inf, else 0 (the fp8 block max skips non-finite values) */
+AB_INLINE float32x4_t neon_finite_or_0(float32x4_t x)
+{
+    uint32x4_t fin = vcltq_f32(vabsq_f32(x), vdupq_n_f32(ab_as_f32(0x7f800000u)));
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), fin));
+}
 AB_INLINE float32x4_t neon_abs(float32x4_t x)
 {
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x7fffffffu)));
@@ -100,20 +111,13 @@ AB_INLINE uint32x4_t neon_bf16_rne(float32x4_t x)
     return vshrq_n_u32(u, 16);
 }
 
-/* The parameter copy in bf16: RNE, a NaN keeps its top bits and gets the quiet bit. */
-AB_INLINE uint32x4_t neon_bf16_out(float32x4_t x)
-{
-    uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));
-    uint32x4_t quiet = vorrq_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 16), vdupq_n_u32(0x40));
-    return vbslq_u32(nan, quiet, neon_bf16_rne(x));
-}
 
 AB_INLINE void neon_store_out(void *out, int64_t i, float32x4_t p, int dtype)
 {
     if (dtype == AB_F32)
         vst1q_f32((float *)out + i, p);
     else if (dtype == AB_BF16)
-        vst1_u16((uint16_t *)out + i, vmovn_u32(neon_bf16_out(p)));
+        vst1_u16((uint16_t *)out + i, vmovn_u32(neon_bf16_rne(p)));
     else if (dtype == AB_F16)
         vst1_u16((uint16_t *)out + i, vreinterpret_u16_f16(vcvt_f16_f32(p)));
 }
@@ -135,7 +139,8 @@ AB_INLINE void neon_store_u8x4(uint8_t *dst, uint32x4_t codes)
 }
 
 /* fp8 decode of 4 codes (sign included), exact:
- * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)). */
+ * E == 0 ? M * 2^(emin-mbits) : as_f32((mag << (23-mbits)) + ((emin+126) << 23)),
+ * and the non-finite codes (mag >= special) as 0x7f800000 | (M << (23-mbits)): inf or NaN. */
 AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
 {
     uint32x4_t c = neon_load_u8x4(src);
@@ -146,6 +151,11 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
                                vdupq_n_u32((uint32_t)(emin + 126) << 23));
     uint32x4_t is_sub = vcltq_u32(mag, vdupq_n_u32(1u << mbits));
     float32x4_t x = vbslq_f32(is_sub, sub, vreinterpretq_f32_u32(nrm));
+    uint32_t special = mbits == AB_E4M3_MBITS ? 0x7fu : 0x7cu;
+    uint32x4_t nonfinite = vorrq_u32(vdupq_n_u32(0x7f800000u),
+                                     vshlq_u32(vandq_u32(mag, vdupq_n_u32((1u << mbits) - 1u)),
+                                               vdupq_n_s32(23 - mbits)));
+    x = vbslq_f32(vcgeq_u32(mag, vdupq_n_u32(special)), vreinterpretq_f32_u32(nonfinite), x);
     uint32x4_t sign = vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24);
     return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(x), sign));
 }
@@ -193,6 +203,9 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)gi), vld1q_u32(iota));
     int64_t i = begin;
     for (; i + 4 <= end; i += 4) {
+        if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
+            ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
+                                prec == AB_MOMENTS_F32 ? 4 : 2);
         float32x4_t p = vld1q_f32(pp + i);
         float32x4_t g = neon_load_grad(gp, i, G);
         float32x4_t m, v;
@@ -204,6 +217,8 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
             v = neon_load_half((uint16_t *)vp + i, AB_BF16);     /* v = as_f32(qv << 16) */
         }
         neon_adamw(&h, &p, g, &m, &v);
+        m = neon_canon(m);                             /* a NaN m or v: 0x7fc00000 */
+        v = neon_canon(v);
         vst1q_f32(pp + i, p);
         if (prec == AB_MOMENTS_F32) {
             vst1q_f32((float *)mp + i, m);
@@ -257,9 +272,9 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         s = neon_adamw(h, &p, g, &m, &v);
         vst1q_f32(pp + i, p);
         neon_store_out(t->out, i, p, O);
-        /* amax_m = max |m|; amax_s = max s */
-        vmax_m = neon_max(neon_abs(m), vmax_m);
-        vmax_s = neon_max(s, vmax_s);
+        /* amax_m = max finite |m|; amax_s = max finite s */
+        vmax_m = neon_max(neon_finite_or_0(neon_abs(m)), vmax_m);
+        vmax_s = neon_max(neon_finite_or_0(s), vmax_s);
         vst1q_f32(mbuf + j, m);
         vst1q_f32(sbuf + j, s);
     }
@@ -272,18 +287,8 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
     }
     for (; j < n; j++) {                               /* tail: the scalar lines */
-        int64_t i = b0 + j;
-        float g = ab_load_grad(t->grad, i, G);
-        float m = ab_e4m3_decode(qm[j]) * *scale_m;
-        float svj = ab_e5m2_decode(qv[j]) * *scale_v;
-        float v = svj * svj;
-        float s = ab_adamw_elem(&t->hyper, &pp[i], g, &m, &v);
-        ab_store_out(t->out, i, pp[i], O);
-        float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);
-        amax_m = am > amax_m ? am : amax_m;
-        amax_s = s > amax_s ? s : amax_s;
-        mbuf[j] = m;
-        sbuf[j] = s;
+        sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
+        ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
     }
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
@@ -305,20 +310,16 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         uint32x4_t cv = neon_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, vshrq_n_u32(r, 16));
         /* sign bit when m < 0 */
         cm = vorrq_u32(cm, vandq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)), vdupq_n_u32(0x80)));
+        /* a non-finite m or s: the NaN code */
+        float32x4_t inf = vdupq_n_f32(ab_as_f32(0x7f800000u));
+        cm = vbslq_u32(vcltq_f32(neon_abs(m), inf), cm, vdupq_n_u32(AB_FP8_NAN));
+        cv = vbslq_u32(vcltq_f32(s, inf), cv, vdupq_n_u32(AB_FP8_NAN));
         neon_store_u8x4(qm + j, cm);
         neon_store_u8x4(qv + j, cv);
     }
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
-        float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
-        float xm = am * inv_m;
-        xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
-        float xv = sbuf[j] * inv_v;
-        xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
-        uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
-        uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
-        qm[j] = (uint8_t)(cm | (mbuf[j] < 0.0f ? 0x80u : 0u));
-        qv[j] = (uint8_t)cv;
+        ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
     }
 }
 
@@ -328,8 +329,11 @@ AB_INLINE void neon_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     neon_hyper_init(&h, &t->hyper);
     uint64_t gi = (uint64_t)(t->offset + begin);
     uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
-    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK)
+    for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
+        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
+                            AB_BLOCK, ab_dtype_size(G), 1);
         neon_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr);
+    }
 }
 
 /* ---- entry: one specialised loop per (precision, rounding, grad dtype, out dtype) -------- */

@@ -16,7 +16,10 @@ static void sc_run_f32(const ab_tensor *t, int64_t begin, int64_t end)
     float *p = t->param, *m = (float *)t->exp_avg, *v = (float *)t->exp_avg_sq;
     for (int64_t i = begin; i < end; i++) {
         float g = ab_load_grad(t->grad, i, t->grad_dtype);
-        ab_adamw_elem(&t->hyper, &p[i], g, &m[i], &v[i]);
+        float mi = m[i], vi = v[i];
+        ab_adamw_elem(&t->hyper, &p[i], g, &mi, &vi);
+        m[i] = ab_canon(mi);                                  /* NaN -> 0x7fc00000 */
+        v[i] = ab_canon(vi);
         ab_store_out(t->out, i, p[i], t->out_dtype);
     }
 }
@@ -32,6 +35,8 @@ static void sc_run_bf16(const ab_tensor *t, int64_t begin, int64_t end)
         float m = ab_bf16_decode(qm[i]);                      /* m = as_f32(qm << 16) */
         float v = ab_bf16_decode(qv[i]);                      /* v = as_f32(qv << 16) */
         ab_adamw_elem(&t->hyper, &p[i], g, &m, &v);
+        m = ab_canon(m);                                      /* NaN -> 0x7fc00000 */
+        v = ab_canon(v);
         if (t->stochastic_rounding) {
             uint32_t r = ab_hash_inline(t->key, (uint64_t)(t->offset + i));   /* r(i) */
             qm[i] = ab_bf16_sr(m, r & 0xffffu);               /* (as_u32(m) + r_m) >> 16 */
@@ -45,27 +50,19 @@ static void sc_run_bf16(const ab_tensor *t, int64_t begin, int64_t end)
 }
 
 /* One fp8 block [b0, b0 + n), n <= 128, b0 a multiple of 128: decode with the block's scales,
- * update every element, then rescale the block to its new absmax and encode. */
+ * update every element, then rescale the block to the absmax of its finite values and encode
+ * (a non-finite m or s is stored as the NaN code, numerics.md section 6). */
 static void sc_fp8_block(const ab_tensor *t, int64_t b0, int64_t n)
 {
     float mbuf[AB_BLOCK], sbuf[AB_BLOCK];
-    float *p = t->param + b0;
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     float amax_m = 0.0f, amax_s = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        float g = ab_load_grad(t->grad, b0 + j, t->grad_dtype);
-        float m = ab_e4m3_decode(qm[j]) * *scale_m;           /* m = dec_e4m3(qm) * scale_m */
-        float sv = ab_e5m2_decode(qv[j]) * *scale_v;          /* sv = dec_e5m2(qv) * scale_v */
-        float v = sv * sv;                                    /* v = sv * sv */
-        float s = ab_adamw_elem(&t->hyper, &p[j], g, &m, &v);
-        ab_store_out(t->out, b0 + j, p[j], t->out_dtype);
-        float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);     /* |m| */
-        amax_m = am > amax_m ? am : amax_m;                   /* amax_m = max |m| */
-        amax_s = s > amax_s ? s : amax_s;                     /* amax_s = max s */
-        mbuf[j] = m;
-        sbuf[j] = s;
+        sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j],
+                                     t->grad_dtype, t->out_dtype);
+        ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);   /* finite values only */
     }
     *scale_m = amax_m / AB_E4M3_MAX;                          /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                          /* scale_v = amax_s / 57344 */
@@ -74,15 +71,7 @@ static void sc_fp8_block(const ab_tensor *t, int64_t b0, int64_t n)
     int sr = t->stochastic_rounding;
     for (int64_t j = 0; j < n; j++) {
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
-        float am = ab_as_f32(ab_as_u32(mbuf[j]) & 0x7fffffffu);
-        float xm = am * inv_m;                                /* x_m = min(|m| * inv_m, 448) */
-        xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
-        float xv = sbuf[j] * inv_v;                           /* x_v = min(s * inv_v, 57344) */
-        xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
-        uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
-        uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
-        qm[j] = (uint8_t)(cm | (mbuf[j] < 0.0f ? 0x80u : 0u));   /* sign when m < 0 */
-        qv[j] = (uint8_t)cv;
+        ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
     }
 }
 

@@ -2,8 +2,10 @@
  *
  * Build and run (one command, no flags: the ISA files carry their own target pragmas):
  *     cc -O2 -pthread -o selftest tests/native/selftest.c -lm && ./selftest
+ * For AArch64 (NEON) on an x86 machine, scripts/neon_check.sh cross-compiles it and runs it
+ * under qemu-aarch64. `./selftest --quick` leaves out the 3M-element tensors.
  * Checks: kernels (all sizes, dtypes, precisions, rounding modes, offsets, thread counts and
- * chunkings; guard bytes after every buffer), codecs (fp8 round trips and error bounds, bf16 and
+ * chunkings; guard bytes after every buffer; non-finite inputs), codecs (fp8 round trips and error bounds, bf16 and
  * fp16 known values), the hash, a golden step computed with numpy, validation and the pool.
  * Prints `selftest: N passed, M failed` and exits non-zero on any failure.
  */
@@ -142,12 +144,28 @@ static void hyper_from(ab_hyper *h, double lr, double b1, double b2, double eps,
     h->one_minus_beta1 = (float)(1.0 - b1);
     h->one_minus_beta2 = (float)(1.0 - b2);
     h->decay = (float)(1.0 - lr * wd);
-    h->step_size = (float)(lr / (1.0 - pow(b1, t)));
-    h->bc2_sqrt = (float)sqrt(1.0 - pow(b2, t));
-    h->eps = (float)eps;
+    h->step_size = (float)(lr * sqrt(1.0 - pow(b2, t)) / (1.0 - pow(b1, t)));  /* step_hat */
+    h->eps = (float)(eps * sqrt(1.0 - pow(b2, t)));                            /* eps_hat */
 }
 
-/* Random but finite state (no NaN can arise, so every ISA must agree on every bit). */
+/* 1 while check_nonfinite runs: state_fill then plants infinities, NaNs of every payload and
+ * the fp8 non-finite codes, which every ISA must turn into the same bits (numerics.md s. 6). */
+static int fill_nonfinite;
+
+static uint32_t rng_nonfinite_bits(void)
+{
+    static const uint32_t bits[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc12345u,
+                                    0x7f800001u, 0x7fffffffu, 0xffffffffu};
+    return bits[rng_u64() % 7];
+}
+
+/* With fill_nonfinite, about one value in 8 of x becomes inf or a NaN. */
+static float maybe_nonfinite(float x)
+{
+    return fill_nonfinite && rng_u64() % 8 == 0 ? ab_as_f32(rng_nonfinite_bits()) : x;
+}
+
+/* Random state, finite unless fill_nonfinite (every ISA must agree on every bit). */
 static void state_fill(state *s)
 {
     int t = 1 + (int)(rng_u64() % 2000);
@@ -159,9 +177,10 @@ static void state_fill(state *s)
         p[i] = kind == 0 ? rng_mag(-44, -38)            /* subnormal-ish copies */
              : kind == 1 ? rng_mag(4, 5.5)              /* fp16 overflow */
              : rng_mag(-6, 1);
+        p[i] = maybe_nonfinite(p[i]);
     }
     for (int64_t i = 0; i < s->n; i++) {
-        float g = rng_mag(-9, 2);
+        float g = maybe_nonfinite(rng_mag(-9, 2));
         if (s->gdt == AB_F32)
             ((float *)s->g.data)[i] = g;
         else if (s->gdt == AB_BF16)
@@ -170,17 +189,19 @@ static void state_fill(state *s)
             ((uint16_t *)s->g.data)[i] = ab_f16_rne(g);
     }
     for (int64_t i = 0; i < s->n; i++) {
-        float m = rng_mag(-9, 0), v = fabsf(rng_mag(-16, 1));
+        float m = maybe_nonfinite(rng_mag(-9, 0)), v = maybe_nonfinite(fabsf(rng_mag(-16, 1)));
         if (s->prec == AB_MOMENTS_F32) {
             ((float *)s->m.data)[i] = m;
             ((float *)s->v.data)[i] = v;
         } else if (s->prec == AB_MOMENTS_BF16) {
-            ((uint16_t *)s->m.data)[i] = ab_bf16_rne(m);
-            ((uint16_t *)s->v.data)[i] = ab_bf16_rne(v);
+            ((uint16_t *)s->m.data)[i] = (uint16_t)(ab_as_u32(m) >> 16);   /* NaNs kept */
+            ((uint16_t *)s->v.data)[i] = (uint16_t)(ab_as_u32(v) >> 16);
         } else {
             uint8_t cm = (uint8_t)(rng_u64() & 0xff), cv = (uint8_t)(rng_u64() % 0x7c);
-            if ((cm & 0x7f) == 0x7f)
+            if ((cm & 0x7f) == 0x7f && !fill_nonfinite)
                 cm &= 0xfe;                              /* no NaN codes */
+            if (fill_nonfinite && rng_u64() % 8 == 0)    /* the codes of inf and NaN */
+                cv = (uint8_t)(0x7c + rng_u64() % 4);
             ((uint8_t *)s->m.data)[i] = cm;
             ((uint8_t *)s->v.data)[i] = cv;
         }
@@ -318,7 +339,7 @@ static void check_config(int64_t n, int64_t offset, int gdt, int odt, int prec, 
     state_free(&ref);
 }
 
-static void check_kernels(void)
+static void check_kernels(int quick)
 {
     static const int64_t sizes[] = {0, 1, 15, 16, 17, 127, 128, 129, 4097};
     static const int64_t offsets[] = {0, 384, (1ll << 32) - 256, (3ll << 32) + 128 * 7, 7,
@@ -334,9 +355,23 @@ static void check_kernels(void)
                             check_config(sizes[si], offsets[oi], gdt, odt, prec, sr, 3);
             }
     /* a 3M tensor: pieces of the real pool split, streamed (non-temporal) `out` */
-    for (int prec = 0; prec < 3; prec++)
+    for (int prec = 0; prec < 3 && !quick; prec++)
         for (int odt = 0; odt < 4; odt += 1)
             check_config(3000000 + 77 * (prec != AB_MOMENTS_FP8), 128, AB_BF16, odt, prec, 1, 2);
+}
+
+/* Non-finite values in every input, at every size and layout: every ISA equals scalar. */
+static void check_nonfinite(void)
+{
+    static const int64_t sizes[] = {1, 15, 17, 129, 4097};
+    fill_nonfinite = 1;
+    for (int si = 0; si < 5; si++)
+        for (int prec = 0; prec < 3; prec++)
+            for (int gdt = 0; gdt < 3; gdt++)
+                for (int odt = 0; odt < 4; odt++)
+                    for (int sr = 0; sr < 2; sr++)
+                        check_config(sizes[si], 384, gdt, odt, prec, sr, 2);
+    fill_nonfinite = 0;
 }
 
 /* Thousands of small tensors in one call equal the same tensors updated one at a time. */
@@ -385,172 +420,8 @@ static void check_many_tensors(void)
         state_free(&ref[k]), state_free(&want[k]);
 }
 
-/* ---- codecs -------------------------------------------------------------------------------- */
-
-static void check_fp8_codec(int emin, int mbits, float maxv, const char *name)
-{
-    int bad = 0, checked = 0;
-    for (int c = 0; c < 256; c++) {
-        float x = ab_fp8_decode((uint32_t)c, emin, mbits);
-        if (!(fabsf(x) <= maxv))
-            continue;                                    /* past the largest finite code */
-        float ax = fabsf(x);
-        uint32_t code = ab_fp8_encode(ax, emin, mbits, 0, 0) | (x < 0.0f ? 0x80u : 0u);
-        uint32_t expect = c == 0x80 ? 0x00u : (uint32_t)c;  /* -0 is not < 0: encodes as +0 */
-        for (uint32_t r = 0; r < 65536; r += 4369)
-            if ((ab_fp8_encode(ax, emin, mbits, 1, r) | (x < 0.0f ? 0x80u : 0u)) != expect)
-                bad++;
-        if (code != expect)
-            bad++;
-        checked++;
-    }
-    CHECK(bad == 0 && checked == (mbits == 3 ? 254 : 248),
-          "%s: %d of %d codes do not round-trip", name, bad, checked);
-    /* error bounds on random x in [0, max]: RNE within q/2 (ties even), SR within q */
-    int bad_rne = 0, bad_sr = 0;
-    for (int k = 0; k < 200000; k++) {
-        float x = (float)(maxv * pow(2.0, -24 * rng_unit()));
-        if (k % 100 == 0)
-            x = (float)(maxv * rng_unit());
-        int e = (int)(ab_as_u32(x) >> 23) - 127;
-        int ee = e > emin ? e : emin;
-        double q = ldexp(1.0, ee - mbits);
-        double yr = ab_fp8_decode(ab_fp8_encode(x, emin, mbits, 0, 0), emin, mbits);
-        double ys = ab_fp8_decode(ab_fp8_encode(x, emin, mbits, 1, (uint32_t)(rng_u64() & 0xffff)),
-                                  emin, mbits);
-        if (fabs(yr - x) > q / 2 || yr > maxv)
-            bad_rne++;
-        if (fabs(ys - x) >= q || ys > maxv)
-            bad_sr++;
-    }
-    CHECK(bad_rne == 0 && bad_sr == 0, "%s error bounds: rne %d bad, sr %d bad", name, bad_rne,
-          bad_sr);
-    /* SR is unbiased: the mean of many roundings of x approaches x */
-    float x = (float)(maxv * 0.3137);
-    double sum = 0;
-    for (uint32_t r = 0; r < 65536; r++)
-        sum += ab_fp8_decode(ab_fp8_encode(x, emin, mbits, 1, r), emin, mbits);
-    int e = (int)(ab_as_u32(x) >> 23) - 127;
-    CHECK(fabs(sum / 65536 - x) < ldexp(1.0, e - mbits) * 1e-3, "%s SR mean %.9g for %.9g", name,
-          sum / 65536, (double)x);
-}
-
-static void check_codecs(void)
-{
-    check_fp8_codec(AB_E4M3_EMIN, AB_E4M3_MBITS, AB_E4M3_MAX, "e4m3");
-    check_fp8_codec(AB_E5M2_EMIN, AB_E5M2_MBITS, AB_E5M2_MAX, "e5m2");
-    CHECK(ab_e4m3_decode(0x7e) == 448.0f && ab_e5m2_decode(0x7b) == 57344.0f &&
-          ab_e4m3_decode(0x01) == 0.001953125f && ab_e5m2_decode(0x01) == 1.52587890625e-5f &&
-          ab_e4m3_decode(0xb8) == -1.0f && ab_e5m2_decode(0x3c) == 1.0f,
-          "fp8 decode known values");
-    CHECK(ab_fp8_encode(448.0f, AB_E4M3_EMIN, AB_E4M3_MBITS, 1, 0xffff) == 0x7e &&
-          ab_fp8_encode(57344.0f, AB_E5M2_EMIN, AB_E5M2_MBITS, 1, 0xffff) == 0x7b,
-          "fp8 SR at the maximum stays finite");
-
-    /* bf16 round to nearest even: (bits in, bits out) */
-    static const uint32_t bf[][2] = {
-        {0x3f800000, 0x3f80}, {0x3f808000, 0x3f80}, {0x3f818000, 0x3f82}, {0x3f808001, 0x3f81},
-        {0xc0200000, 0xc020}, {0x7f7fffff, 0x7f80}, {0x00018000, 0x0002}, {0x80008000, 0x8000},
-        {0x3f80ffff, 0x3f81}, {0x4049fdb0, 0x404a}};
-    int bad = 0;
-    for (int k = 0; k < 10; k++)
-        bad += ab_bf16_rne(ab_as_f32(bf[k][0])) != bf[k][1];
-    CHECK(bad == 0, "bf16 RNE known values: %d wrong", bad);
-    CHECK(ab_bf16_sr(ab_as_f32(0x3f808000), 0x7fff) == 0x3f80 &&
-          ab_bf16_sr(ab_as_f32(0x3f808000), 0x8000) == 0x3f81 &&
-          ab_bf16_out(ab_as_f32(0x7fc00000)) == 0x7fc0 && ab_bf16_out(ab_as_f32(0xff812345)) == 0xffc1,
-          "bf16 SR and NaN copy");
-    /* fp16: round to nearest even, subnormals, overflow */
-    static const uint32_t hf[][2] = {
-        {0x477fe000, 0x7bff}, {0x477ff000, 0x7c00}, {0x477fefff, 0x7bff}, {0x33800000, 0x0001},
-        {0x33000000, 0x0000}, {0x33400000, 0x0001}, {0x38800000, 0x0400}, {0x3eaaaaab, 0x3555},
-        {0x7fc00000, 0x7e00}, {0xff800000, 0xfc00}, {0x387fe000, 0x0400}, {0xb3c00000, 0x8002},
-        {0x7f812345, 0x7e09}};
-    bad = 0;
-    for (int k = 0; k < 13; k++)
-        bad += ab_f16_rne(ab_as_f32(hf[k][0])) != hf[k][1];
-    CHECK(bad == 0, "fp16 RNE known values: %d wrong", bad);
-    bad = 0;
-    for (uint32_t h = 0; h < 65536; h++) {               /* every finite fp16 round-trips */
-        if ((h & 0x7c00) == 0x7c00)
-            continue;
-        bad += ab_f16_rne(ab_f16_decode((uint16_t)h)) != h;
-    }
-    CHECK(bad == 0, "fp16 decode/encode round trip: %d wrong", bad);
-}
-
-#if defined(AB_X86_64)
-/* The scalar fp16 codec against the F16C instructions, exhaustively for decode. */
-__attribute__((target("avx,f16c"))) static int f16c_mismatches(void)
-{
-    int bad = 0;
-    for (uint32_t h = 0; h < 65536; h += 8) {
-        uint16_t in[8];
-        float out[8];
-        for (int k = 0; k < 8; k++)
-            in[k] = (uint16_t)(h + k);
-        _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)in)));
-        for (int k = 0; k < 8; k++)
-            bad += ab_as_u32(out[k]) != ab_as_u32(ab_f16_decode(in[k]));
-    }
-    for (int k = 0; k < 4000000; k += 8) {
-        float in[8];
-        uint16_t out[8];
-        for (int j = 0; j < 8; j++)
-            in[j] = ab_as_f32((uint32_t)rng_u64() >> (rng_u64() % 8));
-        _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT));
-        for (int j = 0; j < 8; j++)
-            bad += out[j] != ab_f16_rne(in[j]);
-    }
-    return bad;
-}
-#endif
-
-/* ---- hash, golden step ---------------------------------------------------------------------- */
-
-static void check_hash(void)
-{
-    printf("hash: mix32(1) = 0x%08x, ab_hash(0x12345678, 5) = 0x%08x, "
-           "ab_hash(1, (1<<32)+3) = 0x%08x\n",
-           ab_mix32(1), ab_hash(0x12345678u, 5), ab_hash(1, (1ull << 32) + 3));
-    CHECK(ab_mix32(0) == 0, "mix32(0) must be 0");
-    CHECK(ab_mix32(1) == 0x688990c0u && ab_hash(0x12345678u, 5) == 0xf1a70114u &&
-          ab_hash(1, (1ull << 32) + 3) == 0xcaffe390u, "hash known values");
-}
-
-/* One fp32 step computed with numpy float32, operation by operation, from numerics.md. */
-static void check_golden(void)
-{
-    static const struct {
-        double lr, b1, b2, eps, wd;
-        int t;
-        uint32_t in[4], out[3];   /* p, g, m, v -> p, m, v */
-    } gold[] = {
-        {1e-3, 0.9, 0.999, 1e-8, 0.01, 1,
-         {0x3f800000, 0x3f000000, 0x00000000, 0x00000000}, {0x3f7fbdcf, 0x3d4ccccd, 0x3983126f}},
-        {1e-3, 0.9, 0.999, 1e-8, 0.01, 10,
-         {0xbf400000, 0xbe800000, 0x3dcccccd, 0x3c23d70a}, {0xbf400604, 0x3d851eb8, 0x3c24b33e}},
-        {3e-4, 0.9, 0.95, 1e-6, 0.1, 1000,
-         {0x3b23d70a, 0x3727c5ac, 0xb60637bd, 0x314e288f}, {0x3b241fc1, 0xb556bf94, 0x314431b1}},
-    };
-    for (int k = 0; k < 3; k++) {
-        for (int ii = 0; ii < nisas; ii++) {
-            float p = ab_as_f32(gold[k].in[0]), g = ab_as_f32(gold[k].in[1]);
-            float m = ab_as_f32(gold[k].in[2]), v = ab_as_f32(gold[k].in[3]);
-            ab_tensor t;
-            memset(&t, 0, sizeof(t));
-            t.param = &p, t.grad = &g, t.exp_avg = &m, t.exp_avg_sq = &v, t.n = 1;
-            t.grad_dtype = AB_F32, t.out_dtype = AB_NONE, t.precision = AB_MOMENTS_F32;
-            hyper_from(&t.hyper, gold[k].lr, gold[k].b1, gold[k].b2, gold[k].eps, gold[k].wd,
-                       gold[k].t);
-            ab_set_isa(isas[ii]);
-            int st = ab_adamw_update(&t, 1);
-            CHECK(st == 0 && ab_as_u32(p) == gold[k].out[0] && ab_as_u32(m) == gold[k].out[1] &&
-                  ab_as_u32(v) == gold[k].out[2], "golden step %d on %s: p %08x m %08x v %08x", k,
-                  ab_isa_name(isas[ii]), ab_as_u32(p), ab_as_u32(m), ab_as_u32(v));
-        }
-    }
-}
+#include "selftest_codecs.c"
+#include "selftest_golden.c"
 
 /* ---- validation, ISA selection, pool -------------------------------------------------------- */
 
@@ -697,8 +568,10 @@ static void check_pool(void)
         state_free(&s[k]), state_free(&want[k]);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* --quick leaves out the 3M-element tensors (for emulators: qemu runs ~30x slower) */
+    int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     for (int isa = 0; isa < 4; isa++) {
         if (ab_isa_supported(isa))
             isas[nisas++] = isa;
@@ -716,10 +589,13 @@ int main(void)
     }
 #endif
     check_golden();
+    check_golden_spec_hash();
+    check_golden_spec_steps();
     check_validation();
     check_pool();
     check_many_tensors();
-    check_kernels();
+    check_nonfinite();
+    check_kernels(quick);
     printf("selftest: %d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

@@ -1,0 +1,169 @@
+/* simd_avx512.h: the AVX-512 vector codecs and memory access of kernel_avx512.c.
+ *
+ * Each function is the 16-lane form of a line of codecs.h (the scalar twin), included by
+ * kernel_avx512.c inside its target("avx512f,avx512bw,avx512vl") region; nothing else may
+ * include it. Split out so that each file stays one concern: this one the codecs, the kernel
+ * file the update loops.
+ */
+#ifndef ADAMBRIDGE_SIMD_AVX512_H
+#define ADAMBRIDGE_SIMD_AVX512_H
+
+/* ---- masked memory access: k selects the lanes (all 16 when full) ---------------------- */
+
+AB_INLINE __m512 avx512_load_f32(const float *src, __mmask16 k, int full)
+{
+    return full ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(k, src);
+}
+AB_INLINE void avx512_store_f32(float *dst, __m512 x, __mmask16 k, int full)
+{
+    if (full)
+        _mm512_storeu_ps(dst, x);
+    else
+        _mm512_mask_storeu_ps(dst, k, x);
+}
+AB_INLINE __m256i avx512_load_u16(const uint16_t *src, __mmask16 k, int full)
+{
+    return full ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskz_loadu_epi16(k, src);
+}
+AB_INLINE void avx512_store_u16(uint16_t *dst, __m256i x, __mmask16 k, int full)
+{
+    if (full)
+        _mm256_storeu_si256((__m256i *)dst, x);
+    else
+        _mm256_mask_storeu_epi16(dst, k, x);
+}
+AB_INLINE __m128i avx512_load_u8(const uint8_t *src, __mmask16 k, int full)
+{
+    return full ? _mm_loadu_si128((const __m128i *)src) : _mm_maskz_loadu_epi8(k, src);
+}
+AB_INLINE void avx512_store_u8(uint8_t *dst, __m128i x, __mmask16 k, int full)
+{
+    if (full)
+        _mm_storeu_si128((__m128i *)dst, x);
+    else
+        _mm_mask_storeu_epi8(dst, k, x);
+}
+
+/* ---- codecs ---------------------------------------------------------------------------- */
+
+/* mix32(x) on 16 lanes (section 2). */
+AB_INLINE __m512i avx512_mix32(__m512i x)
+{
+    /* x ^= x >> 16; x *= 0x7feb352d */
+    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)),
+                           _mm512_set1_epi32(0x7feb352d));
+    /* x ^= x >> 15; x *= 0x846ca68b */
+    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 15)),
+                           _mm512_set1_epi32((int)0x846ca68bu));
+    /* x ^= x >> 16 */
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* 16 u16 -> fp32: bf16 as_f32(b << 16), or fp16 exactly (vcvtph2ps). */
+AB_INLINE __m512 avx512_half_to_f32(__m256i h, int dtype)
+{
+    if (dtype == AB_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+AB_INLINE __m512 avx512_load_grad(const void *g, int64_t i, int dtype, __mmask16 k, int full)
+{
+    if (dtype == AB_F32)
+        return avx512_load_f32((const float *)g + i, k, full);
+    return avx512_half_to_f32(avx512_load_u16((const uint16_t *)g + i, k, full), dtype);
+}
+
+/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+AB_INLINE __m512i avx512_bf16_rne(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_srli_epi32(u, 16);
+}
+
+
+AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int nt, __mmask16 k,
+                                int full)
+{
+    if (dtype == AB_F32) {
+        if (nt && full)
+            _mm512_stream_ps((float *)out + i, p);
+        else
+            avx512_store_f32((float *)out + i, p, k, full);
+        return;
+    }
+    if (dtype == AB_NONE)
+        return;
+    __m256i h = dtype == AB_BF16 ? _mm512_cvtepi32_epi16(avx512_bf16_rne(p))
+                                 : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    uint16_t *dst = (uint16_t *)out + i;
+    if (nt && full)
+        _mm256_stream_si256((__m256i *)dst, h);
+    else
+        avx512_store_u16(dst, h, k, full);
+}
+
+/* fp8 decode through F16C, exact. An E5M2 code is the top byte of the fp16 with the same
+ * value. An E4M3 code c re-laid as the fp16 bits (c & 0x80) << 8 | (c & 0x7f) << 7 decodes to
+ * dec_e4m3(c) / 256, subnormals included (both formats put their subnormals at the same place
+ * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
+ * and h * (256 * scale) round the same product once. The E5M2 codes with E == 31 are fp16
+ * inf and NaN, as in the scalar decode; the E4M3 NaN code is selected separately. */
+AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
+{
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
+}
+
+AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
+{
+    /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
+    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
+    __m512 x = _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+    /* the NaN code 0x7f / 0xff (a finite fp16 in this layout) decodes as NaN */
+    __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
+}
+
+/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
+ * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
+ *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
+ *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
+ *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
+ *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
+ *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
+ *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
+ *   code = (d << mbits) + y. */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512 r16)
+{
+    int sh = sr ? 16 : 0;
+    /* d << 23, d = max(e, emin) - emin */
+    __m512i w = _mm512_subs_epu16(_mm512_castps_si512(x), _mm512_set1_epi32((127 + emin) << 23));
+    __m512i d23 = _mm512_and_si512(w, _mm512_set1_epi32((int)0xff800000u));
+    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
+    __m512 inv_q = _mm512_castsi512_ps(
+        _mm512_sub_epi32(_mm512_set1_epi32((127 + mbits + sh - emin) << 23), d23));
+    __m512 t = _mm512_mul_ps(x, inv_q);
+    /* y = floor(t + u) or y = rint(t) */
+    __m512i y = sr ? _mm512_cvttps_epi32(_mm512_add_ps(t, r16)) : _mm512_cvtps_epi32(t);
+    /* code = ((ee - emin) << mbits) + y */
+    return _mm512_add_epi32(y, _mm512_srli_epi32(d23, 23 - mbits - sh));
+}
+
+/* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */
+AB_INLINE __m512 avx512_abs(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/* Narrow two vectors of 16 u32 lanes holding values < 2^16 to 32 u16, in order: one packus
+ * (which interleaves the 128-bit lanes of a and b) and one qword permute, where two vpmovdw
+ * would cost four uops. */
+AB_INLINE __m512i avx512_narrow16x2(__m512i a, __m512i b)
+{
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    return _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a, b));
+}
+
+#endif /* ADAMBRIDGE_SIMD_AVX512_H */

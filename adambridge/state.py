@@ -21,8 +21,9 @@ from .functional import Hyper, UpdateItem
 # NOTE: the version of the update's arithmetic (docs/numerics.md). Checkpoints record it and a
 # checkpoint of another version is refused: its moments and rounding decisions would not be
 # the ones this code makes, so a resume would silently stop being bit-exact. Bump it with any
-# change that alters a single bit of an update.
-NUMERICS_VERSION = 1
+# change that alters a single bit of an update (the number lives in codecs.py, beside the
+# arithmetic it names).
+NUMERICS_VERSION = codecs.NUMERICS_VERSION
 
 # Storage dtype of (exp_avg, exp_avg_sq) per precision; the dtype identifies the precision
 # of a saved state, which is how a checkpoint is converted on load.

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import reference
+from . import codecs, reference
 from .codecs import sqrt_f32
 from .functional import UpdateItem
 
@@ -87,9 +87,9 @@ def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
     """Turn the update ``grad_before`` made on ``item``'s range into the one ``item.grad`` makes.
 
     The state holds m_s = b1*m + (1-b1)*g and v_s = b2*v + (1-b2)*g*g, and the master
-    p_s = p*decay - step_size*m_s/d_s. With g' the gradient that should have been used:
+    p_s = p*decay - step_hat*m_s/d_s. With g' the gradient that should have been used:
     m' = m_s + (1-b1)*(g'-g), v' = max(v_s + (1-b2)*(g'*g' - g*g), (1-b2)*g'*g'), and
-    p' = p_s + step_size*(m_s/d_s - m'/d'). Moments are re-encoded in their precision
+    p' = p_s + step_hat*(m_s/d_s - m'/d'), with d = sqrt(v) + eps_hat as in the kernel. Moments are re-encoded in their precision
     (with the step's stochastic-rounding bits), the low-precision copy is rewritten.
     """
     h = item.hyper
@@ -100,14 +100,18 @@ def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
     # v_s (bf16, fp8) from leaving v' near 0, where m'/d' would explode.
     floor = (g_new * g_new) * h.one_minus_beta2
     v = torch.maximum(v_s + (g_new * g_new - g_old * g_old) * h.one_minus_beta2, floor)
-    d_s = sqrt_f32(v_s) / h.bc2_sqrt + h.eps
+    d_s = sqrt_f32(v_s) + h.eps_hat          # the kernel's d (docs/numerics.md)
     s = sqrt_f32(v)
-    d = s / h.bc2_sqrt + h.eps
-    master = item.master + h.step_size * (m_s / d_s - m / d)
+    d = s + h.eps_hat
+    master = codecs.canonical_nan(item.master + h.step_hat * (m_s / d_s - m / d))
     item.master.copy_(master)
     reference._store_moments(item, m, v, s)
-    if item.out is not None:
-        item.out.copy_(master)  # rounds to nearest even, like the kernel's write-back
+    _write_copy(item, master)
+
+
+def _write_copy(item: UpdateItem, master: torch.Tensor) -> None:
+    if item.out is not None:  # rounded to nearest even, as the kernel's write-back
+        item.out.copy_(codecs.bf16_rne(master) if item.out.dtype == torch.bfloat16 else master)
 
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
@@ -129,8 +133,8 @@ def redo(item: UpdateItem, saved: tuple, grad_before: torch.Tensor, backend: str
 
     The speculative update computed m_s, d_s in fp32 from the saved moments and
     ``grad_before`` (the same lines as reference.update_range, so the same bits), then
-    stored p_s = p*decay - step_size*m_s/d_s: the master is recovered as
-    (p_s + step_size*m_s/d_s) / decay, within an ulp or two. The moments of the redone
+    stored p_s = p*decay - step_hat*m_s/d_s: the master is recovered as
+    (p_s + step_hat*m_s/d_s) / decay, within an ulp or two. The moments of the redone
     update equal sync's exactly (same inputs, same rounding bits).
     """
     h = item.hyper
@@ -143,8 +147,8 @@ def redo(item: UpdateItem, saved: tuple, grad_before: torch.Tensor, backend: str
     m = m + g * h.one_minus_beta1
     v = v * h.beta2
     v = v + (g * g) * h.one_minus_beta2
-    d = sqrt_f32(v) / h.bc2_sqrt + h.eps
-    item.master.copy_((item.master + h.step_size * (m / d)) / h.decay)
+    d = sqrt_f32(v) + h.eps_hat
+    item.master.copy_((item.master + h.step_hat * (m / d)) / h.decay)
     from .functional import adamw_update
     adamw_update([item], backend)
 

@@ -10,6 +10,7 @@ import torch
 
 from adambridge import AdamBridge
 from adambridge import state as host_state
+from adambridge.state import NUMERICS_VERSION
 
 
 def _model(dtype=torch.bfloat16):
@@ -221,7 +222,8 @@ VALUE_ERRORS = [
     dict(desc="beta 1.0", mutate=_group0("betas", (1.0, 0.9)), match=r"beta parameter at index 0: 1\.0"),
     dict(desc="seed -1", mutate=_group0("seed", -1), match=r"Invalid checkpoint seed param_groups\[0\]\['seed'\]: -1 \(expected"),
     dict(desc="precision fp4", mutate=_group0("precision", "fp4"), match=r"Invalid checkpoint precision param_groups\[0\]\['precision'\]: 'fp4'"),
-    dict(desc="numerics 2", mutate=_group0("numerics", 2), match=r"'numerics'\] is 2, this adambridge computes numerics 1"),
+    dict(desc="a later numerics version", mutate=_group0("numerics", NUMERICS_VERSION + 1),
+         match=rf"'numerics'\] is {NUMERICS_VERSION + 1}, this adambridge computes numerics {NUMERICS_VERSION}"),
     dict(desc="an int32 master", mutate=lambda sd: sd["state"][0].update(
         master=sd["state"][0]["master"].int()), match=r"'master' of parameter 0: dtype torch.int32"),
     dict(desc="an int moment", mutate=lambda sd: sd["state"][1].update(

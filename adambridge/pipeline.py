@@ -189,8 +189,15 @@ class Pipeline(FactsMixin):
         return min(limits) if limits else None
 
     def _check_layouts(self, record: StepRecord) -> None:
-        # Before the first update of the step: a replaced parameter fails with nothing done.
+        # Before the first update of the step: a replaced parameter, or a torch flag set in
+        # a group since (maximize=True, ...), fails with nothing done.
         opt = self.opt
+        for i, group in enumerate(opt.param_groups):
+            try:
+                check.group_flags(group, f"param_groups[{i}]")
+            except ValueError as exc:
+                record.fail(exc)
+                return
         for p in self.group_of:
             try:
                 opt.check_layout(p)

@@ -262,3 +262,20 @@ def test_protocol_two_optimizers_on_disjoint_parts_of_one_model():
             b.zero_grad()
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_protocol_torch_flag_set_in_a_group_while_attached_is_refused_with_nothing_changed():
+    model = _model()
+    opt = _opt(model)
+    opt.attach_hooks(model)
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["maximize"] = True
+    _loss(model, x, y).backward()
+    with pytest.raises(ValueError, match=r"Unsupported torch.optim flag in param_groups\[0\]: "
+                                         r"maximize=True.*no parameter or optimizer state"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -8,7 +8,9 @@ the host transport never copies, so nothing needs locking.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import weakref
 from typing import Any, Callable, Optional
 
@@ -30,6 +32,41 @@ def _cudart() -> Any:
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+_CUDART_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
+
+
+def _loaded_get_last_error() -> Optional[Callable[[], int]]:
+    """cudaGetLastError of the libcudart torch has already loaded (None if none is found).
+
+    RTLD_NOLOAD: only a library already in the process, so the error state we clear is the
+    one torch's kernel launches read (a second copy of the runtime has its own state).
+    """
+    mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_GLOBAL", 0)
+    for name in _CUDART_NAMES:
+        try:
+            return ctypes.CDLL(name, mode=mode).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def clear_cuda_error() -> int:
+    """Reset this thread's sticky-until-read CUDA runtime error; returns what it was.
+
+    NOTE: issue 11 item 1. A failed cudaHostRegister leaves its error set on the calling
+    thread, and torch's next kernel launch on that thread raises it (from inside
+    loss.backward()) as if the kernel had failed. torch.cuda.cudart() binds no
+    cudaGetLastError in most versions, hence the ctypes fallback.
+    """
+    cudart = _cudart()
+    get_last_error = getattr(cudart, "cudaGetLastError", None) or _loaded_get_last_error()
+    if get_last_error is None:
+        _log.warning("adambridge: found no cudaGetLastError to clear a failed "
+                     "cudaHostRegister; the next CUDA call on this thread may report it")
+        return -1
+    return int(get_last_error())
 
 
 def _unregister(cudart_fn: Callable[[], Any], address: int, tensor: torch.Tensor) -> None:
@@ -70,21 +107,65 @@ class PinnedBuffer:
         address = self.tensor.data_ptr()
         status = int(_cudart().cudaHostRegister(address, self.nbytes, _REGISTER_PORTABLE))
         if status != 0:
+            clear_cuda_error()  # else torch's next launch on this thread raises it
             raise RuntimeError(f"cudaHostRegister of a {self.nbytes}-byte buffer failed with "
                                f"cudaError {status}; the host may be out of lockable memory "
                                f"(check `ulimit -l`), or an earlier CUDA error is pending")
         self._finalizer = weakref.finalize(self, _unregister, _cudart, address, self.tensor)
         # At interpreter exit the OS reclaims everything; calling into CUDA then can crash.
         self._finalizer.atexit = False
+        _LIVE.add(self)
 
     @property
     def registered(self) -> bool:
         return self._finalizer is not None and self._finalizer.alive
 
+    @property
+    def usable(self) -> bool:
+        """False in a child forked after this buffer was pinned (see ``_after_fork_in_child``)."""
+        return not getattr(self, "_forked", False)
+
+    def check_usable(self) -> None:
+        if not self.usable:
+            raise RuntimeError("adambridge: this process was forked after the optimizer pinned "
+                               "its staging buffers; CUDA cannot be used in a forked child. "
+                               "Use the optimizer in the parent only (DataLoader workers "
+                               "never need it), or start children with the 'spawn' method")
+
     def close(self) -> None:
         """Unlock the pages now (idempotent). Call only when no copy uses the buffer."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+# Every buffer registered with CUDA in this process (weakly: the set never keeps one alive).
+_LIVE: "weakref.WeakSet[PinnedBuffer]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """NOTE: issue 11 item 11. A fork (DataLoader workers) copies the parent's registered
+    pages copy-on-write into the child, where CUDA is unusable. The child must never call
+    cudaHostUnregister on them (that is the parent's registration) nor copy through them."""
+    buffers = list(_LIVE)
+    for buffer in buffers:
+        buffer._forked = True
+        if buffer._finalizer is not None:
+            buffer._finalizer.detach()  # the parent unregisters; the child only drops memory
+    _LIVE.clear()
+    if buffers:
+        _log.warning("adambridge: forked after pinning %d staging buffers (%d bytes); the "
+                     "child cannot use them. Start workers before attach_hooks(), or use "
+                     "multiprocessing's 'spawn' or 'forkserver' start method",
+                     len(buffers), sum(b.nbytes for b in buffers))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def live_registered_bytes() -> int:
+    """Bytes page-locked with cudaHostRegister by this process's live buffers."""
+    return sum(buffer.nbytes for buffer in list(_LIVE) if buffer.registered)
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> PinnedBuffer:

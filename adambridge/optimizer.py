@@ -104,9 +104,17 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         return "torch"
 
     def host_state_bytes(self) -> int:
-        """Bytes of host memory held by all parameters' master weights and moments."""
+        """Bytes of host memory held by all parameters' master weights and moments.
+
+        Not the page-locked copy buffers: ``host_memory_bytes()`` gives the whole picture.
+        """
         return sum(host_state.state_bytes(s) for p, s in self.state.items()
                    if isinstance(p, torch.Tensor) and s)
+
+    def host_memory_bytes(self) -> dict:
+        """Host bytes by kind: state, pinned_staging (unswappable), writeback, total."""
+        from . import host_memory  # issue 11 item 10
+        return host_memory.breakdown(self)
 
     # ------------------------------------------------------------------ param groups
 

@@ -109,3 +109,14 @@ def test_policy_pool_is_not_pinned_against_autograd_on_one_node(monkeypatch, cas
     assert cuda_policy.pool_plan(tuple(range(8)), [torch.device(case["device"], 0)
                                                   if case["device"] == "cuda"
                                                   else torch.device("cpu")]) == case["expect"]
+
+
+def test_policy_host_memory_includes_the_pinned_staging(cuda):
+    model = _model()
+    opt = _attached(model)
+    _steps(model, opt, hooks=True, steps=1)
+    memory = opt.host_memory_bytes()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert memory["pinned_staging"] == 2 * param_bytes  # a grad and an out buffer each
+    assert memory["state"] == opt.host_state_bytes() > 0
+    assert memory["total"] == memory["state"] + memory["pinned_staging"] + memory["writeback"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import weakref
 from typing import Any, Callable, Optional
@@ -21,6 +22,8 @@ from .state import host_empty
 REGISTER_MIN_BYTES = 1 << 20
 # cudaHostRegisterPortable: pinned for every CUDA context, so any device's streams may use it.
 _REGISTER_PORTABLE = 1
+
+_PAGE = mmap.PAGESIZE
 
 _log = logging.getLogger("adambridge")
 
@@ -79,6 +82,19 @@ def _unregister(cudart_fn: Callable[[], Any], address: int, tensor: torch.Tensor
     del tensor
 
 
+def _page_aligned(nbytes: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(a tensor of ``nbytes`` starting on a page, the bytes of its whole pages).
+
+    NOTE: registering a range that shares a page with an earlier registration fails
+    (cudaErrorHostMemoryAlreadyRegistered), and malloc packs 1-4 MiB blocks next to each
+    other; so each registered buffer owns its pages (at most two spare pages per buffer).
+    """
+    locked = -(-nbytes // _PAGE) * _PAGE
+    raw = host_empty(locked + _PAGE, torch.uint8)
+    offset = (-raw.data_ptr()) % _PAGE
+    return raw[offset:offset + nbytes].view(dtype), locked
+
+
 class PinnedBuffer:
     """One flat host tensor of exactly ``numel`` elements, page-locked while the buffer lives.
 
@@ -100,12 +116,12 @@ class PinnedBuffer:
             self.tensor = torch.empty(numel, dtype=dtype, pin_memory=True)
         else:
             self.kind = "registered"
-            self.tensor = host_empty(numel, dtype)
+            self.tensor, self.locked_bytes = _page_aligned(nbytes, dtype)
             self._register()
 
     def _register(self) -> None:
         address = self.tensor.data_ptr()
-        status = int(_cudart().cudaHostRegister(address, self.nbytes, _REGISTER_PORTABLE))
+        status = int(_cudart().cudaHostRegister(address, self.locked_bytes, _REGISTER_PORTABLE))
         if status != 0:
             clear_cuda_error()  # else torch's next launch on this thread raises it
             raise RuntimeError(f"cudaHostRegister of a {self.nbytes}-byte buffer failed with "

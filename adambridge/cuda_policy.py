@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -80,10 +81,9 @@ def _capturing(p: torch.Tensor) -> bool:
 
 
 def _compiled_backward() -> bool:
-    try:
-        from torch._dynamo import compiled_autograd
-    except ImportError:
-        return False
+    # Never imports dynamo (slow, and inside every hook): compiled autograd can be on only
+    # if its module has been imported already.
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     in_region = getattr(compiled_autograd, "in_compiled_autograd_region", False)
     return bool(in_region) or torch.compiler.is_compiling()
 

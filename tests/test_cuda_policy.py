@@ -120,3 +120,11 @@ def test_policy_host_memory_includes_the_pinned_staging(cuda):
     assert memory["pinned_staging"] == 2 * param_bytes  # a grad and an out buffer each
     assert memory["state"] == opt.host_state_bytes() > 0
     assert memory["total"] == memory["state"] + memory["pinned_staging"] + memory["writeback"]
+
+
+def test_policy_compiled_autograd_region_is_detected(monkeypatch):
+    from torch._dynamo import compiled_autograd
+    monkeypatch.setattr(compiled_autograd, "in_compiled_autograd_region", True)
+    assert cuda_policy._compiled_backward()
+    monkeypatch.setattr(compiled_autograd, "in_compiled_autograd_region", False)
+    assert not cuda_policy._compiled_backward()

@@ -22,7 +22,8 @@ _STAGING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # opt -> {k
 
 
 def on_device(t: torch.Tensor) -> bool:
-    return not t.is_cpu  # a function so CPU tests can route CPU tensors through staging
+    """Whether ``t`` goes through the CUDA staging (a function so CPU tests can say yes)."""
+    return t.is_cuda
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,8 @@ class Staged:
         for p in params:
             if on_device(p.grad):
                 by_device.setdefault(p.grad.device, []).append(p)
-            else:
-                self._grad[p] = _flat(p.grad.detach())
+            else:  # CPU (used in place) or another device (a plain blocking copy)
+                self._grad[p] = _flat(p.grad.detach().to("cpu"))
         for device, members in by_device.items():
             self._down(device, members)
             self._make_outs(device, [p for p in members if needs_out(p)])

@@ -257,8 +257,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                staged.out(p, self._out_buffer), 0)
 
     def _stages_out(self, p: torch.Tensor) -> bool:
-        # A device parameter whose rounded copy is a separate buffer (issue 11 item 5).
-        return sync_transfer.on_device(p) and p.dtype != torch.float32 and not can_alias_master(p)
+        # A CUDA parameter: the kernel writes its copy (fp32 too) into pinned staging, so
+        # the way back is one non_blocking copy, not a pageable one (issue 11 item 5).
+        return sync_transfer.on_device(p) and not can_alias_master(p)
 
     def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""

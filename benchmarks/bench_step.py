@@ -319,9 +319,9 @@ def table(result: dict) -> str:
         vs_sync = f"{r['median_ms'] / sync['median_ms']:.2f}x" if sync else "-"
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
                      f"{fmt(r['host_update_ms'], '.1f')} | {fmt(r['sync_wait_ms'], '.1f')} | "
-                     f"{fmt(r['d2h_ms'], '.1f')} / {fmt(r['h2d_ms'], '.1f')} | "
+                     f"{fmt(r.get('d2h_ms'), '.1f')} / {fmt(r.get('h2d_ms'), '.1f')} | "
                      f"{fmt(r['peak_gib'], '.2f')} | {r['state_mib']:.1f} "
-                     f"({r['pinned_mib']:.1f}) |")
+                     f"({fmt(r.get('pinned_mib'), '.1f')}) |")
     return "\n".join(lines)
 
 

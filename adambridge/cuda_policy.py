@@ -27,7 +27,9 @@ def prepare_lanes(lanes: dict, hooked: Sequence[torch.Tensor], owned: Sequence[t
     without ``prepare`` (a test double) allocates on first use instead.
     """
     hooked_ids = {id(p) for p in hooked}
-    rest = [p for p in owned if id(p) not in hooked_ids]
+    # Frozen parameters get no slot: they have no gradient (one set by hand is still sent,
+    # through a buffer made when it first appears).
+    rest = [p for p in owned if id(p) not in hooked_ids and p.requires_grad]
     calls = []
     for device, lane in lanes.items():
         prepare = getattr(lane.transport, "prepare", None)

@@ -128,3 +128,15 @@ def test_policy_compiled_autograd_region_is_detected(monkeypatch):
     assert cuda_policy._compiled_backward()
     monkeypatch.setattr(compiled_autograd, "in_compiled_autograd_region", False)
     assert not cuda_policy._compiled_backward()
+
+
+def test_policy_frozen_parameters_get_no_pinned_slot(cuda):
+    model = _model()
+    model[2].weight.requires_grad_(False)  # owned by the optimizer, never a gradient
+    opt = _attached(model)
+    slots = opt._pipeline.lanes[torch.device("cpu")].transport._slots
+    assert model[2].weight not in slots and model[2].bias in slots
+    _steps(model, opt, hooks=True, steps=2)
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert frozen and opt.host_memory_bytes()["pinned_staging"] == 2 * trainable

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, nvme, state as host_state, step_facts
+from . import checkpoint, nvme, state as host_state, step_facts, sync_transfer
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -121,9 +121,17 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         return nvme.placement(self)
 
     def host_state_bytes(self) -> int:
-        """Bytes of host memory held by all parameters' master weights and moments."""
+        """Bytes of host memory held by all parameters' master weights and moments.
+
+        Not the page-locked copy buffers: ``host_memory_bytes()`` gives the whole picture.
+        """
         return sum(host_state.state_bytes(s) for p, s in self.state.items()
                    if isinstance(p, torch.Tensor) and s)
+
+    def host_memory_bytes(self) -> dict:
+        """Host bytes by kind: state, pinned_staging (unswappable), writeback, total."""
+        from . import host_memory  # issue 11 item 10
+        return host_memory.breakdown(self)
 
     # ------------------------------------------------------------------ param groups
 
@@ -206,11 +214,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if work:
             backend = self._resolve_backend()
             rest = work if self._tier is None else self._tier.step(work, backend, stats)
-            items = [self._update_item(p, group, state, step) for p, group, state, step in rest]
+            # NOTE: issue 11 item 5: device gradients and weights move through pinned
+            # staging with one wait per step (sync_transfer.py), not 2N blocking copies.
+            staged = sync_transfer.Staged(self, [p for p, _, _, _ in rest], self._stages_out)
+            items = [self._update_item(p, group, state, step, staged)
+                     for p, group, state, step in rest]
             adamw_update(items, backend)
             for p, _, state, step in rest:
                 state["step"].fill_(step)
-                self._write_back(p, state)
+            staged.write_back([(p, state) for p, _, state, _ in rest], self._write_back)
             self.mark_written([p for p, _, _, _ in work])
         stats.num_params, stats.num_batches = len(work), int(bool(work))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
@@ -232,8 +244,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             prepared.append((p, group, state, int(state["step"].item()) + 1))
         return prepared
 
-    def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int) -> UpdateItem:
-        return self.range_item(p, group, state, step, _host_grad(p), self._out_buffer(p), 0)
+    def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
+                     staged: "sync_transfer.Staged") -> UpdateItem:
+        return self.range_item(p, group, state, step, staged.grad(p),
+                               staged.out(p, self._out_buffer), 0)
+
+    def _stages_out(self, p: torch.Tensor) -> bool:
+        # A CUDA parameter: the kernel writes its copy (fp32 too) into pinned staging, so
+        # the way back is one non_blocking copy, not a pageable one (issue 11 item 5).
+        return sync_transfer.on_device(p) and not can_alias_master(p)
 
     def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""
@@ -384,13 +403,6 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
 
 _can_alias_master = can_alias_master  # the name pipeline code of before the seams imported
-
-
-def _host_grad(p: torch.Tensor) -> torch.Tensor:
-    grad = p.grad.detach()
-    if not grad.is_cpu:
-        grad = grad.to("cpu")  # synchronous mode: a blocking device-to-host copy
-    return grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
 
 
 OptiComputeAdamW = AdamBridge

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _validation as check
-from . import interception
+from . import cuda_policy, interception
 from .stats import StepStats
 from .transport import make_transport
 from .worker import _STOP, Job, Lane, Piece, StepRecord, WriteBack, chunk_ranges, worker_cpus
@@ -84,6 +84,8 @@ class Pipeline(FactsMixin):
                 self.lanes[p.device] = Lane(make_transport(p.device), backend=backend,
                                             overlap_writeback=opt.overlap_writeback,
                                             cpus=worker_cpus(p.device, opt.numa_aware))
+        # NOTE: issue 11 item 6: every staging buffer is made now, on the workers.
+        cuda_policy.prepare_lanes(self.lanes, self.hooked, self.owned, _SYNC_TIMEOUT_S)
         self._record: Optional[StepRecord] = None
         self._record_lock = threading.Lock()
         self._warm = False          # False until a step has completed: that step is held
@@ -125,6 +127,7 @@ class Pipeline(FactsMixin):
     # -- the hook (autograd thread)
 
     def on_grad(self, p: torch.Tensor) -> None:
+        cuda_policy.check_hook(p)  # issue 11 item 12: graph capture, compiled backward
         self._track_backward()
         if not self._window_closes():
             return  # the gradient stays on the device and accumulates
@@ -458,11 +461,13 @@ def _raise_step_error(record: StepRecord) -> None:
 
 def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
     """Attach hooks for ``opt`` (see AdamBridge.attach_hooks); ``options`` are for tests."""
+    cuda_policy.check_model(model)  # issue 11 item 12
     pipeline = Pipeline(opt, model, **options)
     opt._pipeline = pipeline
-    cpus = _pool_cpus(pipeline)
+    # issue 11 item 9: on one NUMA node the pool is not pinned against the autograd thread
+    cpus, threads = cuda_policy.pool_plan(_pool_cpus(pipeline), list(pipeline.lanes))
     if opt._resolve_backend() == "native":
-        _configure_pool(opt, cpus)
+        _configure_pool(opt, cpus, threads)
     if opt.autotune_config is not None:
         from . import autotune
         pipeline.tuner = autotune.Tuner(opt.autotune_config, opt.autotune_log)
@@ -480,7 +485,7 @@ def _pool_cpus(pipeline: Pipeline) -> tuple[int, ...]:
     return ()
 
 
-def _configure_pool(opt: Any, cpus: tuple[int, ...]) -> None:
-    if cpus or opt.num_threads is not None:
+def _configure_pool(opt: Any, cpus: tuple[int, ...], threads: Optional[int] = None) -> None:
+    if cpus or opt.num_threads is not None or threads:
         from ._native import loader
-        loader.set_num_threads(opt.num_threads or len(cpus), cpus)
+        loader.set_num_threads(opt.num_threads or threads or len(cpus), cpus)

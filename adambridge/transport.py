@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from .pinned import PinnedBuffer
+from .slots import SlotBuffers, copy_many
 from .state import host_empty
 
 Ranges = Sequence[tuple[int, int]]
@@ -76,6 +77,12 @@ class HostTransport:
     def release(self, grad: torch.Tensor) -> None:
         return None  # the work item keeps the host gradient alive until it is used
 
+    def prepare(self, hooked: Sequence[torch.Tensor], rest: Sequence[torch.Tensor]) -> None:
+        return None  # nothing to stage: gradients are used where they are
+
+    def staging_bytes(self) -> int:
+        return 0  # no page-locked memory
+
     def source(self, p: torch.Tensor) -> torch.Tensor:
         """p's values as a flat host tensor, for creating its master on the first update."""
         return p.detach().reshape(-1)
@@ -122,30 +129,51 @@ class HostTransport:
 # --------------------------------------------------------------------------- CUDA
 
 
+def _event(timing: bool = False) -> "torch.cuda.Event":
+    # NOTE: issue 11 item 9. blocking=True: a host thread waiting on the event sleeps in the
+    # driver instead of spinning a core for all of backward (cudaEventBlockingSync).
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
+def _record_stream(tensor: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+    tensor.record_stream(stream)  # a function so CPU tests can record the call
+
+
+def refuse_capture(device: torch.device) -> None:
+    """One-line refusal under CUDA graph capture: a replay would re-run copies, not updates."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"adambridge: attach_hooks() cannot run under CUDA graph capture on "
+                           f"{device} (a replay updates nothing); capture forward and "
+                           f"backward without hooks and call opt.step() after each replay")
+
+
 class CudaTicket:
     """A copy on the D2H stream; it has landed when its end event has completed."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: "torch.cuda.Event") -> None:
         self.event = event
 
     def ready(self) -> bool:
         return self.event.query()
 
     def wait(self) -> None:
-        self.event.synchronize()  # releases the GIL while it blocks
+        self.event.synchronize()  # blocking-sync: sleeps, and releases the GIL
 
 
 class CudaTransport:
     """One CUDA device: a D2H stream, an H2D stream, events, exact-size pinned buffers.
 
     Who waits on whom (no device-wide synchronisation anywhere):
-      - the D2H stream waits on ``grad_ready`` (recorded on the autograd thread's current
-        stream in the hook), so it copies the gradient only once it exists;
+      - the D2H stream waits on ``grad_ready``, recorded on the stream backward runs on
+        (the hook's current stream, remembered as ``backward_stream``), so it copies a
+        gradient only once it exists; the small parameters' copies at step_sync wait on
+        that stream too, not on step_sync's caller's (they may differ: item 7);
       - the worker waits (host side) on the end event of each D2H copy before updating;
       - the H2D stream waits on ``grad_ready`` too: every kernel that reads p in this
         backward was queued before it, so the new weights cannot overtake them;
-      - ``finish()`` makes the caller's current stream wait on the H2D stream, so the next
-        forward sees the new weights.
+      - ``finish()`` makes the caller's current stream and the backward stream wait on the
+        H2D stream, so the next forward on either sees the new weights.
+    Buffers are made by ``prepare`` at attach_hooks, on the worker thread (item 6).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -154,37 +182,74 @@ class CudaTransport:
         self.h2d_stream = torch.cuda.Stream(device)
         self._grad: dict[torch.Tensor, PinnedBuffer] = {}
         self._out: dict[torch.Tensor, PinnedBuffer] = {}
-        self._grad_ready: dict[torch.Tensor, torch.cuda.Event] = {}
+        self._grad_ready: dict[torch.Tensor, "torch.cuda.Event"] = {}
         self._values: dict[torch.Tensor, torch.Tensor] = {}  # p's values for a first update
-        self._groups: dict[tuple, dict] = {}
+        self._slots: Optional[SlotBuffers] = None
+        self._prepare_error: Optional[BaseException] = None
+        self.backward_stream: Optional["torch.cuda.Stream"] = None
         self._timings: list = []  # (direction, start event, end event, bytes) not yet summed
+        self._step_end: list = []  # events recorded by finish: the step's last copies
         # Runs before the buffers below are released (and unregistered) on garbage collection.
         weakref.finalize(self, _drain, self.d2h_stream, self.h2d_stream).atexit = False
+
+    def prepare(self, hooked: Sequence[torch.Tensor], rest: Sequence[torch.Tensor]) -> None:
+        """Allocate and pin every staging buffer now (the worker thread, at attach_hooks).
+
+        NOTE: issue 11 item 6. Pinning GBs inside the first backward stalls the kernel
+        launches of the autograd thread and first-touches the pages on its node; here they
+        land on the worker's node. A failure is kept and raised by every step (at
+        step_sync, with nothing changed), never out of backward.
+        """
+        try:
+            for p in hooked:
+                self._buffer(self._grad, p)
+                self._buffer(self._out, p)
+            self._slots = SlotBuffers([p for p in rest if p.device == self.device], self.device)
+        except Exception as exc:  # noqa: BLE001 - raised at step time
+            self._prepare_error = exc
+
+    def _check_prepared(self) -> None:
+        if self._prepare_error is not None:
+            raise RuntimeError(f"the pinned staging buffers could not be made at attach_hooks() "
+                               f"({self._prepare_error}); free host memory or raise "
+                               f"`ulimit -l`, then detach_hooks() and attach_hooks() again")
+        if self._slots is None:  # used without prepare: every buffer is made on first use
+            self._slots = SlotBuffers([], self.device)
+
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffers (page-locked; they cannot be swapped out)."""
+        slots = self._slots.nbytes() if self._slots is not None else 0
+        return slots + sum(b.nbytes for t in (self._grad, self._out) for b in t.values())
 
     def _buffer(self, table: dict, p: torch.Tensor) -> torch.Tensor:
         buffer = table.get(p)
         if buffer is None:
             buffer = table[p] = PinnedBuffer(p.numel(), p.dtype)
+        buffer.check_usable()
         return buffer.tensor
 
     def _timed_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor,
-                    stream: torch.cuda.Stream) -> torch.cuda.Event:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        start, end = _event(timing=True), _event(timing=True)
         start.record(stream)
         dst.copy_(src, non_blocking=True)
         end.record(stream)
         self._timings.append((direction, start, end, _nbytes(src)))
         return end
 
-    def _mark_ready(self) -> torch.cuda.Event:
-        grad_ready = torch.cuda.Event()
-        grad_ready.record(torch.cuda.current_stream(self.device))
+    def _mark_ready(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        grad_ready = torch.cuda.Event()  # only streams wait on it, never a host thread
+        grad_ready.record(stream)
         self.d2h_stream.wait_event(grad_ready)  # the gradient exists before we read it
         return grad_ready
 
     def grad_to_host(self, p: torch.Tensor, grad: torch.Tensor, ranges: Ranges,
                      with_values: bool) -> tuple[torch.Tensor, list]:
-        self._grad_ready[p] = self._mark_ready()
+        refuse_capture(self.device)
+        self._check_prepared()
+        # The hook runs on the autograd device thread: its current stream is backward's.
+        self.backward_stream = torch.cuda.current_stream(self.device)
+        self._grad_ready[p] = self._mark_ready(self.backward_stream)
         host = self._buffer(self._grad, p)
         tickets = []
         with torch.cuda.stream(self.d2h_stream):
@@ -195,13 +260,15 @@ class CudaTransport:
             for start, end in ranges:
                 done = self._timed_copy("d2h", host[start:end], flat[start:end], self.d2h_stream)
                 tickets.append(CudaTicket(done))
+        # NOTE: issue 11 item 8. Always, released or not: whoever drops the last reference
+        # to ``grad`` (our release, zero_grad, autograd replacing p.grad) must not let the
+        # caching allocator hand its memory out before these copies have run
+        # (https://pytorch.org/docs/stable/notes/cuda.html#cuda-streams).
+        _record_stream(grad, self.d2h_stream)
         return host, tickets
 
     def release(self, grad: torch.Tensor) -> None:
-        # NOTE: the caller drops its last reference to ``grad`` right after; record_stream
-        # keeps the caching allocator from handing the memory out again before the D2H
-        # copies queued so far have run (https://pytorch.org/docs/stable/notes/cuda.html).
-        grad.record_stream(self.d2h_stream)
+        return None  # grad_to_host has recorded the D2H stream on it already
 
     def source(self, p: torch.Tensor) -> torch.Tensor:
         return self._values.pop(p)
@@ -219,80 +286,82 @@ class CudaTransport:
             else:
                 self._timed_copy("h2d", p.detach(), out.view(p.shape), self.h2d_stream)
 
-    # -- the small parameters: one flat buffer per dtype each way
-
-    def _group(self, params: Sequence[torch.Tensor]) -> dict:
-        key = tuple(id(p) for p in params)
-        group = self._groups.get(key)
-        if group is None:
-            # A different set of small parameters this step: keep one group only. Its old
-            # buffers may still feed the last step's copy back, so wait for that (rare) first.
-            if self._groups:
-                self.h2d_stream.synchronize()
-            self._groups.clear()
-            by_dtype: dict = {}
-            for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            group = self._groups[key] = {
-                dtype: (members, PinnedBuffer(sum(p.numel() for p in members), dtype),
-                        PinnedBuffer(sum(p.numel() for p in members), dtype))
-                for dtype, members in by_dtype.items()}
-        return group
-
-    @staticmethod
-    def _views(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> dict:
-        views, offset = {}, 0
-        for p in members:
-            views[p] = flat[offset:offset + p.numel()]
-            offset += p.numel()
-        return views
+    # -- what has no hook: fixed slots (slots.py), or p's own buffers for a hooked p
 
     def group_to_host(self, params: Sequence[torch.Tensor],
                       with_values: bool) -> tuple[list, CudaTicket]:
-        grad_ready = self._mark_ready()
-        views: dict = {}
+        refuse_capture(self.device)
+        self._check_prepared()
+        slots = self._slots
+        stream = self.backward_stream or torch.cuda.current_stream(self.device)
+        grad_ready = self._mark_ready(stream)
+        slotted = [p for p in params if p in slots]
         done = None
         with torch.cuda.stream(self.d2h_stream):
-            for members, grads, outs in self._group(params).values():
-                if with_values:  # into the out buffer, which the kernel overwrites later
-                    flat = torch.cat([_flat(p.detach()) for p in members])
-                    self._timed_copy("d2h", outs.tensor, flat, self.d2h_stream)
-                    self._values.update(self._views(outs.tensor, members))
-                flat = torch.cat([_flat(p.grad.detach()) for p in members])
-                done = self._timed_copy("d2h", grads.tensor, flat, self.d2h_stream)
-                views.update(self._views(grads.tensor, members))
-                for p in members:
-                    self._grad_ready[p] = grad_ready
+            if with_values:  # into the out buffers, which the kernel overwrites later
+                for p in params:
+                    out = slots.view(slots.host_out, p) if p in slots else self.out(p)
+                    self._values[p] = out
+                    done = self._timed_copy("d2h", out, _flat(p.detach()), self.d2h_stream)
+            copy_many([slots.view(slots.device_grad, p).view(p.shape) for p in slotted],
+                      [p.grad.detach() for p in slotted])
+            for dtype, start, end in slots.runs(slotted):
+                done = self._timed_copy("d2h", slots.host_grad[dtype].tensor[start:end],
+                                        slots.device_grad[dtype][start:end], self.d2h_stream)
+            for p in params:
+                if p not in slots:
+                    done = self._timed_copy("d2h", self._buffer(self._grad, p),
+                                            _flat(p.grad.detach()), self.d2h_stream)
+        for p in params:
+            self._grad_ready[p] = grad_ready
+            _record_stream(p.grad, self.d2h_stream)
+        views = [slots.view(slots.host_grad, p) if p in slots else self._grad[p].tensor
+                 for p in params]
         # Copies on one stream land in order: the last one landing means all have.
-        return [views[p] for p in params], CudaTicket(done)
+        return views, CudaTicket(done)
 
     def group_out(self, params: Sequence[torch.Tensor]) -> list:
-        views: dict = {}
-        for members, _, outs in self._group(params).values():
-            views.update(self._views(outs.tensor, members))
-        return [views[p] for p in params]
+        slots = self._slots
+        return [slots.view(slots.host_out, p) if p in slots else self.out(p) for p in params]
 
     def group_to_device(self, params: Sequence[torch.Tensor]) -> None:
+        slots = self._slots
+        slotted = [p for p in params if p in slots]
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(self._grad_ready[params[0]])
-            for members, _, outs in self._group(params).values():
-                flat = torch.empty_like(outs.tensor, device=self.device)
-                self._timed_copy("h2d", flat, outs.tensor, self.h2d_stream)
-                for p, view in self._views(flat, members).items():
-                    p.detach().copy_(view.view(p.shape))
+            for dtype, start, end in slots.runs(slotted):
+                self._timed_copy("h2d", slots.device_out[dtype][start:end],
+                                 slots.host_out[dtype].tensor[start:end], self.h2d_stream)
+            copy_many([p.detach() for p in slotted],
+                      [slots.view(slots.device_out, p).view(p.shape) for p in slotted])
+        for p in params:
+            if p not in slots:
+                self.to_device(p, 0, p.numel())
 
     def finish(self) -> None:
-        # The only wait step_sync adds on the device: the caller's stream, not the device.
-        torch.cuda.current_stream(self.device).wait_stream(self.h2d_stream)
+        """Order the next forward after the copies back; mark where this step's copies end."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.h2d_stream)
+        if self.backward_stream is not None and self.backward_stream != current:
+            self.backward_stream.wait_stream(self.h2d_stream)  # backward ran elsewhere (item 7)
+        # NOTE: issue 11 item 3. take_stats waits for these, so every copy of the step is
+        # counted in this step's StepStats (the wait is the tail of the last copy back).
+        self._step_end = [_event(), _event()]
+        self._step_end[0].record(self.d2h_stream)
+        self._step_end[1].record(self.h2d_stream)
         self._grad_ready.clear()
         self._values.clear()
+        self.backward_stream = None
 
     def take_stats(self) -> CopyStats:
-        """Copy times of the copies that have finished; the rest are counted next time."""
+        """Copy times and bytes of every copy queued up to the last ``finish()``."""
+        for end in self._step_end:
+            end.synchronize()
+        self._step_end = []
         stats, pending = CopyStats(), []
         for entry in self._timings:
             direction, start, end, nbytes = entry
-            if not end.query():
+            if not end.query():  # queued after finish (none in the pipeline's order)
                 pending.append(entry)
                 continue
             seconds = start.elapsed_time(end) / 1000.0
@@ -313,11 +382,8 @@ class CudaTransport:
             for buffer in table.values():
                 buffer.close()
             table.clear()
-        for group in self._groups.values():
-            for _, grads, outs in group.values():
-                grads.close()
-                outs.close()
-        self._groups.clear()
+        if self._slots is not None:
+            self._slots.close()
         self._timings.clear()
 
 

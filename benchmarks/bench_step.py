@@ -7,6 +7,12 @@ path is checked against step() bit for bit on the same model.
 
   python benchmarks/bench_step.py --preset cpu            # 4 blocks, width 256
   python benchmarks/bench_step.py --preset gpu --json out.json   # 8 blocks, width 1024
+  python benchmarks/bench_step.py --preset gpu --precisions bf16 --sweep   # + crossover
+
+"sync" is step() on the device's parameters: one pinned staging buffer each way and one
+stream sync per step (sync_transfer.py). The sweep grows tokens per step (batch x 1024) and
+reports where async comes within 1.05x of all-GPU AdamW, with its GPU peak as a fraction of
+AdamW's; host MiB include the page-locked staging (opt.host_memory_bytes()).
 
 GPU memory is the peak allocated during 3 steps with only that variant resident (measured
 before the interleaved timing). On the CPU the table reports optimizer-state bytes instead.
@@ -38,6 +44,8 @@ PRESETS = {
                 timed=10),
 }
 PRECISIONS = ("fp32", "bf16", "fp8")
+CROSSOVER = 1.05  # "hides behind backward": step time within this factor of all-GPU AdamW
+SWEEP_BATCHES = {"cpu": [1, 2, 4], "gpu": [1, 2, 4, 8, 16, 32, 64]}  # x seq tokens per step
 
 
 class Block(nn.Module):
@@ -171,25 +179,21 @@ def peak_memory(name: str, cfg: dict, device: torch.device, init: dict,
     return peak
 
 
-def state_mib(variant: Variant) -> float:
+def state_mib(variant: Variant) -> tuple[float, float]:
+    """(optimizer-held MiB, of which page-locked): AdamBridge counts its pinned staging."""
     opt = variant.opt
     if isinstance(opt, AdamBridge):
-        return opt.host_state_bytes() / 2**20
+        memory = opt.host_memory_bytes()
+        return memory["total"] / 2**20, memory["pinned_staging"] / 2**20
     return sum(t.numel() * t.element_size() for s in opt.state.values()
-               for t in s.values() if torch.is_tensor(t)) / 2**20
+               for t in s.values() if torch.is_tensor(t)) / 2**20, 0.0
 
 
-def run(preset: str, names: list, max_seconds: float) -> dict:
-    cfg = PRESETS[preset]
-    device = torch.device("cuda" if preset == "gpu" else "cpu")
-    torch.manual_seed(0)
-    init = GPT(cfg).state_dict()
-    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
-    validate(cfg, device, init)
-    peaks = {name: peak_memory(name, cfg, device, init, tokens) for name in names}
-    variants = [build(name, cfg, device, init) for name in names]
+def time_variants(variants: list, cfg: dict, device: torch.device, tokens: torch.Tensor,
+                  max_seconds: float) -> tuple[dict, dict]:
+    """Interleaved steps: {name: [seconds]}, {name: [(host update, step_sync wait)]}."""
     times: dict = {v.name: [] for v in variants}
-    host: dict = {v.name: [] for v in variants}   # (host update, step_sync wait) per step
+    host: dict = {v.name: [] for v in variants}
     began = time.perf_counter()
     for round_index in range(cfg["warmup"] + cfg["timed"]):
         for variant in variants:
@@ -201,22 +205,83 @@ def run(preset: str, names: list, max_seconds: float) -> dict:
                 times[variant.name].append(time.perf_counter() - start)
                 stats = getattr(variant.opt, "last_step_stats", None)
                 if stats is not None:
-                    host[variant.name].append((stats.host_update_s, stats.sync_wait_s))
+                    host[variant.name].append((stats.host_update_s, stats.sync_wait_s,
+                                               stats.d2h_s, stats.h2d_s, stats.wall_s))
         if time.perf_counter() - began > max_seconds and round_index > cfg["warmup"]:
             break  # the time budget is spent; report what was measured
-    rows = []
+    return times, host
+
+
+def _row(variant: Variant, times: list, measured: list, peak: Optional[float]) -> dict:
+    median = (lambda i: statistics.median(m[i] for m in measured) * 1e3) if measured else None
+    host_mib, pinned_mib = state_mib(variant)
+    row = dict(variant=variant.name, median_ms=statistics.median(times) * 1e3,
+               steps=len(times), peak_gib=peak, state_mib=host_mib, pinned_mib=pinned_mib)
+    for i, key in enumerate(("host_update_ms", "sync_wait_ms", "d2h_ms", "h2d_ms", "wall_ms")):
+        row[key] = median(i) if median else None
+    return row
+
+
+def _detach(variants: list) -> None:
     for variant in variants:
-        measured = host[variant.name]
-        median = (lambda i: statistics.median(m[i] for m in measured) * 1e3) if measured else None
-        rows.append(dict(variant=variant.name, median_ms=statistics.median(times[variant.name]) * 1e3,
-                         steps=len(times[variant.name]), peak_gib=peaks[variant.name],
-                         state_mib=state_mib(variant),
-                         host_update_ms=median(0) if median else None,
-                         sync_wait_ms=median(1) if median else None))
+        if isinstance(variant.opt, AdamBridge) and variant.opt._pipeline is not None:
+            variant.opt.detach_hooks()
+
+
+def run(preset: str, names: list, max_seconds: float, batch: Optional[int] = None) -> dict:
+    cfg = dict(PRESETS[preset], **({"batch": batch} if batch else {}))
+    device = torch.device("cuda" if preset == "gpu" else "cpu")
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
+    validate(cfg, device, init)
+    peaks = {name: peak_memory(name, cfg, device, init, tokens) for name in names}
+    variants = [build(name, cfg, device, init) for name in names]
+    times, host = time_variants(variants, cfg, device, tokens, max_seconds)
+    rows = [_row(v, times[v.name], host[v.name], peaks[v.name]) for v in variants]
     params = sum(p.numel() for p in variants[0].model.parameters())
     backend = next((v.opt.backend for v in variants if isinstance(v.opt, AdamBridge)), "-")
+    _detach(variants)
     return dict(preset=preset, params=params, tokens_per_step=cfg["batch"] * cfg["seq"],
                 backend=backend, rows=rows, setup=setup_line(device))
+
+
+def sweep(preset: str, precision: str, batches: list, max_seconds: float) -> dict:
+    """Does the host update hide behind backward? Step time of async vs all-GPU AdamW as
+    tokens per step grow; the crossover is the size from which it stays within CROSSOVER."""
+    names = ["torch AdamW", f"adambridge async {precision}"]
+    points = []
+    for batch in batches:
+        result = run(preset, names, max_seconds / len(batches), batch=batch)
+        base, ours = result["rows"]
+        points.append(dict(tokens=result["tokens_per_step"], adamw_ms=base["median_ms"],
+                           async_ms=ours["median_ms"], ratio=ours["median_ms"] / base["median_ms"],
+                           peak_ratio=(ours["peak_gib"] / base["peak_gib"]
+                                       if base["peak_gib"] else None),
+                           host_mib=ours["state_mib"], pinned_mib=ours["pinned_mib"]))
+        gc.collect()
+    crossover = None  # the smallest size from which every larger one is within CROSSOVER
+    for point in reversed(points):
+        if point["ratio"] > CROSSOVER:
+            break
+        crossover = point["tokens"]
+    return dict(precision=precision, points=points, crossover_tokens=crossover,
+                threshold=CROSSOVER)
+
+
+def sweep_table(result: dict) -> str:
+    lines = [f"Tokens-per-step sweep ({result['precision']} moments): async step time against "
+             f"all-GPU torch AdamW (fused), GPU peak of async as a fraction of AdamW's.", "",
+             "| tokens/step | AdamW ms | async ms | async/AdamW | GPU peak ratio | "
+             "host MiB (pinned) |", "|---:|---:|---:|---:|---:|---:|"]
+    for p in result["points"]:
+        peak = "-" if p["peak_ratio"] is None else f"{p['peak_ratio']:.2f}"
+        lines.append(f"| {p['tokens']} | {p['adamw_ms']:.1f} | {p['async_ms']:.1f} | "
+                     f"{p['ratio']:.3f}x | {peak} | {p['host_mib']:.0f} ({p['pinned_mib']:.0f}) |")
+    where = (f"at {result['crossover_tokens']} tokens/step" if result["crossover_tokens"]
+             else "not reached in this sweep")
+    lines += ["", f"Crossover (async within {result['threshold']:.2f}x of AdamW): {where}."]
+    return "\n".join(lines)
 
 
 def _cpu_name() -> str:
@@ -242,8 +307,9 @@ def table(result: dict) -> str:
              f"params, {result['tokens_per_step']} tokens/step, median of "
              f"{min(r['steps'] for r in result['rows'])}+ interleaved steps.", "",
              "| variant | step ms | vs torch AdamW | async vs sync | host update ms | "
-             "step_sync wait ms | GPU peak GiB | optimizer state MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "step_sync wait ms | d2h / h2d ms | GPU peak GiB | host MiB (pinned) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for name, r in rows.items():
         vs_base = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
         sync = rows.get(name.replace("async", "sync")) if "async" in name else None
@@ -251,10 +317,11 @@ def table(result: dict) -> str:
         if unclipped:
             name = f"{name} ({r['median_ms'] / unclipped['median_ms']:.2f}x unclipped)"
         vs_sync = f"{r['median_ms'] / sync['median_ms']:.2f}x" if sync else "-"
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
                      f"{fmt(r['host_update_ms'], '.1f')} | {fmt(r['sync_wait_ms'], '.1f')} | "
-                     f"{fmt(r['peak_gib'], '.2f')} | {r['state_mib']:.1f} |")
+                     f"{fmt(r.get('d2h_ms'), '.1f')} / {fmt(r.get('h2d_ms'), '.1f')} | "
+                     f"{fmt(r['peak_gib'], '.2f')} | {r['state_mib']:.1f} "
+                     f"({fmt(r.get('pinned_mib'), '.1f')}) |")
     return "\n".join(lines)
 
 
@@ -265,6 +332,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=240.0,
                         help="stop the timed rounds once this much time is spent")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="then sweep tokens per step (async vs torch AdamW, first of "
+                             "--precisions) and print the crossover within 1.05x")
+    parser.add_argument("--sweep-seconds", type=float, default=120.0,
+                        help="time budget of the timed rounds of the whole sweep")
     parser.add_argument("--clip-costs", action="store_true",
                         help="time max_grad_norm off, on but never firing (1e9) and firing "
                              "every step (1e-3), sync and async, first of --precisions")
@@ -279,11 +351,21 @@ def main(argv: Optional[list] = None) -> int:
                       for limit in ("1e9", "1e-3") for mode in ("sync", "async")]
             break
     result = run(args.preset, names, args.max_seconds)
-    print(table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    print(table(result), flush=True)
+    _write(args.json, result)  # written as it goes: a later part that hangs loses nothing
+    if args.sweep:
+        precision = args.precisions.split(",")[0]
+        result["sweep"] = sweep(args.preset, precision, SWEEP_BATCHES[args.preset],
+                                args.sweep_seconds)
+        print("\n" + sweep_table(result["sweep"]), flush=True)
+        _write(args.json, result)
     return 0
+
+
+def _write(path: Optional[str], result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def test_pinned_registers_exactly_the_buffer_size(fake_cuda, numel, dtype):
     buffer = pinned.pinned_empty(numel, dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     assert buffer.kind == "registered" and buffer.registered and buffer.nbytes == nbytes
-    assert fake_cuda.registered == {buffer.tensor.data_ptr(): nbytes}
+    # Whole pages of its own, from a page boundary: no two registrations share a page.
+    assert buffer.tensor.data_ptr() % pinned._PAGE == 0
+    assert fake_cuda.registered == {buffer.tensor.data_ptr(): -(-nbytes // pinned._PAGE) * pinned._PAGE}
     address = buffer.tensor.data_ptr()
     buffer.close()
     buffer.close()

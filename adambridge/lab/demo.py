@@ -120,9 +120,10 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
 
 
 def state_bytes_per_param(opt: Any, numel: int) -> float:
-    """Bytes the optimizer holds per parameter (AdamBridge: its host state)."""
-    if hasattr(opt, "host_state_bytes"):
-        return opt.host_state_bytes() / numel
+    """Bytes the optimizer holds per parameter (AdamBridge: its host state and its
+    page-locked staging, which cannot be swapped out: issue 11 item 10)."""
+    if hasattr(opt, "host_memory_bytes"):
+        return opt.host_memory_bytes()["total"] / numel
     nbytes = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     return nbytes / numel
 

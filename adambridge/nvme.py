@@ -114,7 +114,6 @@ class Tier:
         """Stream and commit the file-backed parameters of ``work``; return the others.
 
         The step's I/O is added to ``stats`` (the synchronous step's)."""
-        from .optimizer import _host_grad
         opt = self._opt()
         mine = [w for w in work if self.holds(w[0])]
         if not mine:
@@ -337,3 +336,11 @@ def _close(pool: IOPool, lock_fds: list, files: dict) -> None:
         param_files.close()
     for fd in lock_fds:
         os.close(fd)
+
+
+def _host_grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient as a flat host tensor (a blocking copy for a device gradient)."""
+    grad = p.grad.detach()
+    if not grad.is_cpu:
+        grad = grad.to("cpu")
+    return grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, state as host_state
+from . import checkpoint, distributed, state as host_state
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -127,6 +127,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                     continue
                 seen.add(key)
                 check.parameter(key, len(self._param_index) + len(unique))
+                distributed.check_parameter(key, len(self._param_index) + len(unique))
             unique.append(p)
         for key in _OPTIMIZER_WIDE:
             if key in param_group:
@@ -185,6 +186,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return loss
         if self.max_grad_norm is not None:
             stats.grad_norm = self._sync_clip()
+        if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
+            distributed.sync_step(self, stats, began)
+            return loss
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
@@ -281,6 +285,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
                         closes_window=closes_window)
 

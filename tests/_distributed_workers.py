@@ -1,0 +1,180 @@
+"""What each rank of tests/test_distributed*.py runs (spawned processes import this module).
+
+``launch(scenario, world, out_dir)`` starts ``world`` gloo ranks on a free 127.0.0.1 port,
+each runs ``SCENARIOS[scenario](rank, world, out_dir)`` and saves its result (a dict) as
+``out_dir/<rank>.pt``; a rank that fails or runs past the timeout fails the launch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60.0
+LR, WD = 1e-2, 1e-2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> list:
+    context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out_dir)),
+                                 nprocs=world, join=False, start_method="spawn")
+    import time
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"scenario {scenario!r} on {world} ranks ran past {timeout_s} s")
+    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, out_dir)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- models and data
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)  # uneven row splits: 37 rows over 2 ranks, 5 over 2, 5 over 4
+    return torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(),
+                               torch.nn.Linear(37, 5)).to(dtype)
+
+
+def full_grads(step: int, shapes: list) -> list:
+    """The same full gradients on every rank (and in the single-process run)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 13, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def train(model, opt, rank: int, steps: int = 4) -> None:
+    for step in range(steps):
+        model(batch(rank, step)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def shard(model, cpu_offload: bool = False):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    policy = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
+    kwargs = {"offload_policy": policy} if policy is not None else {}
+    fully_shard(model[0], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def fsdp2_vs_adamw(rank: int, world: int, out_dir: str) -> dict:
+    """AdamBridge and torch AdamW on the same FSDP2 model, real backward, both backends."""
+    from adambridge import AdamBridge
+    result = {}
+    for offload in (False, True):
+        for backend in ("torch", "auto"):
+            model = shard(make_model(), offload)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend)
+            train(model, opt, rank)
+            result[(offload, backend)] = [full(p) for p in model.parameters()]
+            result[(offload, "bytes", backend)] = opt.host_state_bytes()
+        theirs = shard(make_model(), offload)
+        train(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WD), rank)
+        result[(offload, "adamw")] = [full(p) for p in theirs.parameters()]
+    return result
+
+
+def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """Set full gradients by hand: the result must not depend on the number of ranks."""
+    from torch.distributed.tensor import distribute_tensor
+    result = {}
+    for dtype, precision in ((torch.float32, "bf16"), (torch.bfloat16, "bf16")):
+        model = shard(make_model(dtype))
+        opt = run_given_grads(model, precision, lambda p, g: distribute_tensor(
+            g.to(p.dtype), p.device_mesh, p.placements))
+        result[precision, dtype] = [full(p) for p in model.parameters()]
+        result[precision, dtype, "bytes"] = opt.host_state_bytes()
+    return result
+
+
+def run_given_grads(model, precision: str, as_grad) -> object:
+    from adambridge import AdamBridge
+    params = list(model.parameters())
+    opt = AdamBridge(params, lr=LR, weight_decay=WD, precision=precision, seed=7)
+    for step in range(4):
+        for p, g in zip(params, full_grads(step, [p.shape for p in params])):
+            p.grad = as_grad(p, g)
+        opt.step()
+    return opt
+
+
+def refusals(rank: int, world: int, out_dir: str) -> dict:
+    """The one-line errors for what is not handled."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    errors = {}
+    mesh = init_device_mesh("cpu", (world,))
+    column = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    errors["shard1"] = _error(lambda: AdamBridge([column]))
+    fsdp2 = shard(make_model())
+    errors["fsdp2_async"] = _error(lambda: AdamBridge(fsdp2.parameters()).attach_hooks(fsdp2))
+    ddp = DDP(make_model())
+    for name, target in (("ddp", ddp), ("ddp_module", ddp.module), ("ddp_none", None)):
+        errors[name] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(target))
+    errors["fsdp1"] = _error(lambda: AdamBridge(_fsdp1(make_model()).parameters()))
+    return errors
+
+
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
+    """DDP + synchronous AdamBridge against DDP + torch AdamW, both backends."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    result = {}
+    for name in ("torch", "auto", "adamw"):
+        model = DDP(make_model())
+        opt = (torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD) if name == "adamw"
+               else AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=name))
+        train(model, opt, rank)
+        result[name] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync)}

@@ -1,0 +1,73 @@
+"""torch.distributed on CPU with gloo, 2 spawned ranks: FSDP2 shards, DDP, the refusals.
+
+Each test launches one scenario of tests/_distributed_workers.py and compares what the
+ranks return with torch.optim.AdamW under the same wrapper and with one process.
+"""
+from __future__ import annotations
+
+import torch
+import pytest
+
+import _distributed_workers as workers
+
+# The arithmetic invariant of DESIGN.md section 3.
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def _close(ours: list, theirs: list) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _identical(ours: list, theirs: list) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_fsdp2_equals_adamw_with_and_without_cpu_offload(tmp_path):
+    ranks = workers.launch("fsdp2_vs_adamw", 2, tmp_path)
+    full_bytes = 12 * sum(p.numel() for p in workers.make_model().parameters())
+    for offload in (False, True):
+        for result in ranks:
+            for backend in ("torch", "auto"):
+                _close(result[offload, backend], result[offload, "adamw"])
+        _identical(ranks[0][offload, "auto"], ranks[1][offload, "auto"])
+        # Host state only for the local shard: the two ranks hold one copy between them.
+        per_rank = [r[offload, "bytes", "auto"] for r in ranks]
+        assert sum(per_rank) == full_bytes and max(per_rank) < full_bytes
+
+
+def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(tmp_path):
+    ranks = workers.launch("fsdp2_given_grads", 2, tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = workers.make_model(dtype)
+        opt = workers.run_given_grads(model, "bf16", lambda p, g: g.to(p.dtype))
+        alone = [p.detach().clone() for p in model.parameters()]
+        for result in ranks:
+            _identical(result["bf16", dtype], alone)
+        assert sum(r["bf16", dtype, "bytes"] for r in ranks) == opt.host_state_bytes()
+
+
+def test_unsupported_layouts_and_modes_are_refused_in_one_line(tmp_path):
+    errors = workers.launch("refusals", 2, tmp_path)[0]
+    expected = {
+        "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
+        "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
+        "ddp": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
+        "ddp_module": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
+        "ddp_none": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
+        "fsdp1": "ValueError: Invalid parameter 0: it is managed by FSDP1",
+    }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]
+
+
+def test_ddp_sync_equals_adamw_and_ranks_are_identical(tmp_path):
+    ranks = workers.launch("ddp_sync", 2, tmp_path)
+    for result in ranks:
+        for backend in ("torch", "auto"):
+            _close(result[backend], result["adamw"])
+    for name in ("torch", "auto", "adamw"):
+        _identical(ranks[0][name], ranks[1][name])
+

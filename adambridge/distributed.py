@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import state as host_state
+from . import checkpoint, state as host_state
 from .codecs import stream_key
 from .functional import Hyper, adamw_update
 
@@ -197,3 +197,66 @@ def _write_back(opt: Any, p: torch.Tensor, local: torch.Tensor, state: dict) -> 
 def _flat_host(grad: torch.Tensor) -> torch.Tensor:
     grad = grad if grad.is_cpu else grad.to("cpu")
     return grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def saved_entry(p: torch.Tensor, state: dict) -> dict:
+    """checkpoint.saved_entry; for a DTensor p, every per-element tensor is a DTensor laid
+    out as p (what torch.distributed.checkpoint reshards), built from the local shard."""
+    if not is_dtensor(p):
+        return checkpoint.saved_entry(p, state)
+    if host_state.precision_of(state) == "fp8":
+        raise ValueError("state_dict() of fp8 moments on FSDP2 (DTensor) parameters is not "
+                         "supported (the per-128 scales do not shard as rows); use "
+                         "precision='bf16' or 'fp32'")
+    from torch.distributed.tensor import DTensor
+    local = local_of(p).detach()
+    entry = checkpoint.saved_entry(local, state)
+    for key, value in entry.items():
+        if value.numel() == local.numel() and value.dim() > 0:
+            entry[key] = DTensor.from_local(value.reshape(local.shape), p.device_mesh,
+                                            p.placements, shape=p.shape, stride=p.stride())
+    return entry
+
+
+def restore(state_dict: Any, groups: list, params: list, precision: str) -> tuple:
+    """checkpoint.restore, where each DTensor parameter stands for its local shard.
+
+    The checkpoint's DTensor entries are brought to the parameter's placements (DCP already
+    did when it loaded them) and taken as their local tensors, so the checks and the rebuilt
+    state are the shard's; the state comes back keyed by the DTensor parameter.
+    """
+    if not any(is_dtensor(p) for p in params):
+        return checkpoint.restore(state_dict, groups, params, precision)
+    locals_ = [local_of(p).detach() if is_dtensor(p) else p for p in params]
+    back = {id(t): p for t, p in zip(locals_, params)}
+    state_dict = dict(state_dict, state=_localized(state_dict, params))
+    new_state, new_groups, meta = checkpoint.restore(state_dict, groups, locals_, precision)
+    return {back.get(id(k), k): v for k, v in new_state.items()}, new_groups, meta
+
+
+def _localized(state_dict: Any, params: list) -> Any:
+    saved = state_dict.get("state") if isinstance(state_dict, dict) else None
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved, dict) or not isinstance(groups, list):
+        return saved  # checkpoint.restore names what is wrong
+    ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
+    by_id = dict(zip(ids, params))
+    out = {}
+    for saved_id, entry in saved.items():
+        p = by_id.get(saved_id)
+        if p is None or not is_dtensor(p) or not isinstance(entry, dict):
+            out[saved_id] = entry
+            continue
+        out[saved_id] = {k: _local_value(v, p) for k, v in entry.items()}
+    return out
+
+
+def _local_value(value: Any, p: torch.Tensor) -> Any:
+    if not is_dtensor(value):
+        return value
+    if tuple(value.placements) != tuple(p.placements):
+        value = value.redistribute(p.device_mesh, p.placements)
+    return value.to_local()

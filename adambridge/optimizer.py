@@ -339,7 +339,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             if not isinstance(key, torch.Tensor):
                 state[key] = value  # not a parameter's: kept as is, as torch does
             elif value:
-                state[self._param_index[key]] = checkpoint.saved_entry(key, value)
+                state[self._param_index[key]] = distributed.saved_entry(key, value)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, saved)
@@ -357,8 +357,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         params = [p for group in self.param_groups for p in group["params"]]
-        new_state, new_groups, meta = checkpoint.restore(state_dict, self.param_groups,
-                                                         params, self._precision)
+        new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                                                           params, self._precision)
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master

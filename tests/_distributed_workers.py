@@ -43,6 +43,7 @@ def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None
     try:
         result = SCENARIOS[scenario](rank, world, out_dir)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # no rank closes its sockets while a peer still finishes a collective
     finally:
         dist.destroy_process_group()
 
@@ -73,7 +74,7 @@ def train(model, opt, rank: int, steps: int = 4) -> None:
         opt.zero_grad()
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -99,36 +100,86 @@ def fsdp2_vs_adamw(rank: int, world: int, out_dir: str) -> dict:
             model = shard(make_model(), offload)
             opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend)
             train(model, opt, rank)
-            result[(offload, backend)] = [full(p) for p in model.parameters()]
+            result[(offload, backend)] = [_full(p) for p in model.parameters()]
             result[(offload, "bytes", backend)] = opt.host_state_bytes()
         theirs = shard(make_model(), offload)
         train(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WD), rank)
-        result[(offload, "adamw")] = [full(p) for p in theirs.parameters()]
+        result[(offload, "adamw")] = [_full(p) for p in theirs.parameters()]
     return result
 
 
 def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
     """Set full gradients by hand: the result must not depend on the number of ranks."""
-    from torch.distributed.tensor import distribute_tensor
     result = {}
     for dtype, precision in ((torch.float32, "bf16"), (torch.bfloat16, "bf16")):
         model = shard(make_model(dtype))
-        opt = run_given_grads(model, precision, lambda p, g: distribute_tensor(
-            g.to(p.dtype), p.device_mesh, p.placements))
-        result[precision, dtype] = [full(p) for p in model.parameters()]
+        opt = run_given_grads(model, precision, _as_dtensor_grad)
+        result[precision, dtype] = [_full(p) for p in model.parameters()]
         result[precision, dtype, "bytes"] = opt.host_state_bytes()
     return result
 
 
-def run_given_grads(model, precision: str, as_grad) -> object:
+def run_given_grads(model, precision: str, as_grad, steps=range(4), opt=None) -> object:
     from adambridge import AdamBridge
     params = list(model.parameters())
-    opt = AdamBridge(params, lr=LR, weight_decay=WD, precision=precision, seed=7)
-    for step in range(4):
+    if opt is None:
+        opt = AdamBridge(params, lr=LR, weight_decay=WD, precision=precision, seed=7)
+    for step in steps:
         for p, g in zip(params, full_grads(step, [p.shape for p in params])):
             p.grad = as_grad(p, g)
         opt.step()
     return opt
+
+
+def _as_dtensor_grad(p, g):
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(g.to(p.dtype), p.device_mesh, p.placements)
+
+
+def _ckpt(out_dir: str, name: str) -> str:
+    return os.path.join(os.path.dirname(out_dir), name)
+
+
+def dcp_save(rank: int, world: int, out_dir: str) -> dict:
+    """2 steps, then DCP save (sharded) and a full state dict, then 2 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    model = shard(make_model())
+    opt = run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2))
+    dcp.save({"model": sd.get_model_state_dict(model),
+              "optim": sd.get_optimizer_state_dict(model, opt)}, checkpoint_id=_ckpt(out_dir, "dcp"))
+    full_options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = {"model": sd.get_model_state_dict(model, options=full_options),
+            "optim": sd.get_optimizer_state_dict(model, opt, options=full_options)}
+    if rank == 0:
+        torch.save(full, _ckpt(out_dir, "full.pt"))
+    run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
+    return {"params": [_full(p) for p in model.parameters()]}
+
+
+def dcp_load(rank: int, world: int, out_dir: str) -> dict:
+    """Resume on another number of ranks, from the DCP checkpoint and from the full one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    result = {}
+    for source in ("dcp", "full"):
+        model = shard(make_model())
+        torch.nn.init.zeros_(model[0].weight)  # the checkpoint must bring the weights back
+        opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+        if source == "dcp":
+            loaded = {"model": sd.get_model_state_dict(model),
+                      "optim": sd.get_optimizer_state_dict(model, opt)}
+            dcp.load(loaded, checkpoint_id=_ckpt(out_dir, "dcp"))
+            options = None
+        else:
+            loaded = torch.load(_ckpt(out_dir, "full.pt"), weights_only=False)
+            options = sd.StateDictOptions(full_state_dict=True)
+        sd.set_model_state_dict(model, loaded["model"], options=options)
+        sd.set_optimizer_state_dict(model, opt, loaded["optim"], options=options)
+        run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
+        result[source] = [_full(p) for p in model.parameters()]
+    return result
 
 
 def refusals(rank: int, world: int, out_dir: str) -> dict:
@@ -177,4 +228,5 @@ def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync)}
+SCENARIOS = {f.__name__: f for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync,
+                                     dcp_save, dcp_load)}

@@ -71,3 +71,13 @@ def test_ddp_sync_equals_adamw_and_ranks_are_identical(tmp_path):
     for name in ("torch", "auto", "adamw"):
         _identical(ranks[0][name], ranks[1][name])
 
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 1), (1, 2)])
+def test_dcp_resume_on_another_number_of_ranks_is_exact(tmp_path, saved_on, loaded_on):
+    (tmp_path / "save").mkdir()
+    (tmp_path / "load").mkdir()
+    uninterrupted = workers.launch("dcp_save", saved_on, tmp_path / "save")[0]["params"]
+    for result in workers.launch("dcp_load", loaded_on, tmp_path / "load"):
+        for source in ("dcp", "full"):
+            _identical(result[source], uninterrupted)

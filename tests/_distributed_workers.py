@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 60.0
+DCP_DTYPES = (torch.float32, torch.bfloat16)
 LR, WD = 1e-2, 1e-2
 
 
@@ -142,44 +143,51 @@ def _ckpt(out_dir: str, name: str) -> str:
 
 def dcp_save(rank: int, world: int, out_dir: str) -> dict:
     """2 steps, then DCP save (sharded) and a full state dict, then 2 more steps."""
+    return {dtype: _save_and_go_on(rank, out_dir, dtype) for dtype in DCP_DTYPES}
+
+
+def _save_and_go_on(rank: int, out_dir: str, dtype: torch.dtype) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as sd
-    model = shard(make_model())
+    model = shard(make_model(dtype))
     opt = run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2))
     dcp.save({"model": sd.get_model_state_dict(model),
-              "optim": sd.get_optimizer_state_dict(model, opt)}, checkpoint_id=_ckpt(out_dir, "dcp"))
+              "optim": sd.get_optimizer_state_dict(model, opt)},
+             checkpoint_id=_ckpt(out_dir, f"dcp-{dtype}"))
     full_options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = {"model": sd.get_model_state_dict(model, options=full_options),
             "optim": sd.get_optimizer_state_dict(model, opt, options=full_options)}
     if rank == 0:
-        torch.save(full, _ckpt(out_dir, "full.pt"))
+        torch.save(full, _ckpt(out_dir, f"full-{dtype}.pt"))
     run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
-    return {"params": [_full(p) for p in model.parameters()]}
+    return [_full(p) for p in model.parameters()]
 
 
 def dcp_load(rank: int, world: int, out_dir: str) -> dict:
     """Resume on another number of ranks, from the DCP checkpoint and from the full one."""
+    return {(dtype, source): _load_and_go_on(out_dir, dtype, source)
+            for dtype in DCP_DTYPES for source in ("dcp", "full")}
+
+
+def _load_and_go_on(out_dir: str, dtype: torch.dtype, source: str) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as sd
     from adambridge import AdamBridge
-    result = {}
-    for source in ("dcp", "full"):
-        model = shard(make_model())
-        torch.nn.init.zeros_(model[0].weight)  # the checkpoint must bring the weights back
-        opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
-        if source == "dcp":
-            loaded = {"model": sd.get_model_state_dict(model),
-                      "optim": sd.get_optimizer_state_dict(model, opt)}
-            dcp.load(loaded, checkpoint_id=_ckpt(out_dir, "dcp"))
-            options = None
-        else:
-            loaded = torch.load(_ckpt(out_dir, "full.pt"), weights_only=False)
-            options = sd.StateDictOptions(full_state_dict=True)
-        sd.set_model_state_dict(model, loaded["model"], options=options)
-        sd.set_optimizer_state_dict(model, opt, loaded["optim"], options=options)
-        run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
-        result[source] = [_full(p) for p in model.parameters()]
-    return result
+    model = shard(make_model(dtype))
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=3)
+    if source == "dcp":
+        loaded = {"model": sd.get_model_state_dict(model),
+                  "optim": sd.get_optimizer_state_dict(model, opt)}
+        dcp.load(loaded, checkpoint_id=_ckpt(out_dir, f"dcp-{dtype}"))
+        options = None
+    else:
+        loaded = torch.load(_ckpt(out_dir, f"full-{dtype}.pt"), weights_only=False)
+        options = sd.StateDictOptions(full_state_dict=True)
+    sd.set_model_state_dict(model, loaded["model"], options=options)
+    sd.set_optimizer_state_dict(model, opt, loaded["optim"], options=options)
+    assert opt.seed == 7, opt.seed  # the checkpoint's seed, not the constructor's
+    run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
+    return [_full(p) for p in model.parameters()]
 
 
 def refusals(rank: int, world: int, out_dir: str) -> dict:

@@ -77,7 +77,8 @@ def test_ddp_sync_equals_adamw_and_ranks_are_identical(tmp_path):
 def test_dcp_resume_on_another_number_of_ranks_is_exact(tmp_path, saved_on, loaded_on):
     (tmp_path / "save").mkdir()
     (tmp_path / "load").mkdir()
-    uninterrupted = workers.launch("dcp_save", saved_on, tmp_path / "save")[0]["params"]
+    uninterrupted = workers.launch("dcp_save", saved_on, tmp_path / "save")[0]
     for result in workers.launch("dcp_load", loaded_on, tmp_path / "load"):
-        for source in ("dcp", "full"):
-            _identical(result[source], uninterrupted)
+        for dtype in workers.DCP_DTYPES:
+            for source in ("dcp", "full"):
+                _identical(result[dtype, source], uninterrupted[dtype])

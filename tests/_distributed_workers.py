@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 TIMEOUT_S = 60.0
 DCP_DTYPES = (torch.float32, torch.bfloat16)
+FSDP2_SETUPS = ("plain", "cpu_offload", "mixed_precision")
 LR, WD = 1e-2, 1e-2
 
 
@@ -80,10 +81,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def shard(model, cpu_offload: bool = False):
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    policy = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
-    kwargs = {"offload_policy": policy} if policy is not None else {}
+def shard(model, setup: str = "plain"):
+    """fully_shard each Linear and the whole; setup: plain, cpu_offload or mixed_precision."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kwargs = {}
+    if setup == "cpu_offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif setup == "mixed_precision":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
     fully_shard(model[0], **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -96,16 +102,16 @@ def fsdp2_vs_adamw(rank: int, world: int, out_dir: str) -> dict:
     """AdamBridge and torch AdamW on the same FSDP2 model, real backward, both backends."""
     from adambridge import AdamBridge
     result = {}
-    for offload in (False, True):
+    for setup in FSDP2_SETUPS:
         for backend in ("torch", "auto"):
-            model = shard(make_model(), offload)
+            model = shard(make_model(), setup)
             opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend)
             train(model, opt, rank)
-            result[(offload, backend)] = [_full(p) for p in model.parameters()]
-            result[(offload, "bytes", backend)] = opt.host_state_bytes()
-        theirs = shard(make_model(), offload)
+            result[setup, backend] = [_full(p) for p in model.parameters()]
+            result[setup, "bytes", backend] = opt.host_state_bytes()
+        theirs = shard(make_model(), setup)
         train(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WD), rank)
-        result[(offload, "adamw")] = [_full(p) for p in theirs.parameters()]
+        result[setup, "adamw"] = [_full(p) for p in theirs.parameters()]
     return result
 
 
@@ -236,5 +242,11 @@ def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync,
+def two_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
+    return {f.__name__: f(rank, world, out_dir)
+            for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync)}
+
+
+SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync,
                                      dcp_save, dcp_load)}

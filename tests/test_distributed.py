@@ -24,21 +24,31 @@ def _identical(ours: list, theirs: list) -> None:
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_fsdp2_equals_adamw_with_and_without_cpu_offload(tmp_path):
-    ranks = workers.launch("fsdp2_vs_adamw", 2, tmp_path)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """What each of 2 ranks returned from every two-rank scenario (one launch)."""
+    return workers.launch("two_ranks", 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+def _scenario(two_ranks: list, name: str) -> list:
+    return [result[name] for result in two_ranks]
+
+
+@pytest.mark.parametrize("setup", workers.FSDP2_SETUPS)
+def test_fsdp2_equals_adamw_under_the_same_fully_shard(two_ranks, setup):
+    ranks = _scenario(two_ranks, "fsdp2_vs_adamw")
     full_bytes = 12 * sum(p.numel() for p in workers.make_model().parameters())
-    for offload in (False, True):
-        for result in ranks:
-            for backend in ("torch", "auto"):
-                _close(result[offload, backend], result[offload, "adamw"])
-        _identical(ranks[0][offload, "auto"], ranks[1][offload, "auto"])
-        # Host state only for the local shard: the two ranks hold one copy between them.
-        per_rank = [r[offload, "bytes", "auto"] for r in ranks]
-        assert sum(per_rank) == full_bytes and max(per_rank) < full_bytes
+    for result in ranks:
+        for backend in ("torch", "auto"):
+            _close(result[setup, backend], result[setup, "adamw"])
+    _identical(ranks[0][setup, "auto"], ranks[1][setup, "auto"])
+    # Host state only for the local shard: the two ranks hold one copy between them.
+    per_rank = [r[setup, "bytes", "auto"] for r in ranks]
+    assert sum(per_rank) == full_bytes and max(per_rank) < full_bytes
 
 
-def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(tmp_path):
-    ranks = workers.launch("fsdp2_given_grads", 2, tmp_path)
+def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(two_ranks):
+    ranks = _scenario(two_ranks, "fsdp2_given_grads")
     for dtype in (torch.float32, torch.bfloat16):
         model = workers.make_model(dtype)
         opt = workers.run_given_grads(model, "bf16", lambda p, g: g.to(p.dtype))
@@ -48,8 +58,8 @@ def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(tmp_path):
         assert sum(r["bf16", dtype, "bytes"] for r in ranks) == opt.host_state_bytes()
 
 
-def test_unsupported_layouts_and_modes_are_refused_in_one_line(tmp_path):
-    errors = workers.launch("refusals", 2, tmp_path)[0]
+def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
+    errors = _scenario(two_ranks, "refusals")[0]
     expected = {
         "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
         "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
@@ -63,8 +73,8 @@ def test_unsupported_layouts_and_modes_are_refused_in_one_line(tmp_path):
         assert "\n" not in errors[name]
 
 
-def test_ddp_sync_equals_adamw_and_ranks_are_identical(tmp_path):
-    ranks = workers.launch("ddp_sync", 2, tmp_path)
+def test_ddp_sync_equals_adamw_and_ranks_are_identical(two_ranks):
+    ranks = _scenario(two_ranks, "ddp_sync")
     for result in ranks:
         for backend in ("torch", "auto"):
             _close(result[backend], result["adamw"])

@@ -285,9 +285,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
-        distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
+        ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
-                        closes_window=closes_window)
+                        closes_window=closes_window, hook_grads=ddp is None)
+        if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
+            distributed.hand_over_reduced(ddp, self._pipeline)
 
     def detach_hooks(self) -> None:
         """Remove the hooks (always) and go back to synchronous ``step()``."""

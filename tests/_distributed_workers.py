@@ -209,10 +209,16 @@ def refusals(rank: int, world: int, out_dir: str) -> dict:
     fsdp2 = shard(make_model())
     errors["fsdp2_async"] = _error(lambda: AdamBridge(fsdp2.parameters()).attach_hooks(fsdp2))
     ddp = DDP(make_model())
-    for name, target in (("ddp", ddp), ("ddp_module", ddp.module), ("ddp_none", None)):
-        errors[name] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(target))
+    ddp.register_comm_hook(None, _noop_hook)
+    errors["ddp_comm_hook"] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(ddp))
     errors["fsdp1"] = _error(lambda: AdamBridge(_fsdp1(make_model()).parameters()))
     return errors
+
+
+def _noop_hook(state, bucket):
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def _fsdp1(model):
@@ -242,11 +248,28 @@ def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
+def ddp_async(rank: int, world: int, out_dir: str) -> dict:
+    """DDP + attach_hooks: hooks on the DDP model, on its module, on every owned parameter."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    result = {}
+    for backend, target in (("torch", "ddp"), ("auto", "module"), ("auto", "none")):
+        model = DDP(make_model())
+        opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend,
+                         small_param_threshold=100)  # the weights are hooked, biases not
+        opt.attach_hooks({"ddp": model, "module": model.module, "none": None}[target])
+        train(model, opt, rank)
+        result[backend, target] = [p.detach().clone() for p in model.parameters()]
+        opt.detach_hooks()
+    return result
+
+
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
-            for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync)}
+            for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync, ddp_async)}
 
 
-SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync,
+SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_given_grads, refusals,
+                                     ddp_sync, ddp_async,
                                      dcp_save, dcp_load)}

@@ -63,9 +63,7 @@ def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
     expected = {
         "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
         "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
-        "ddp": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
-        "ddp_module": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
-        "ddp_none": "RuntimeError: attach_hooks() on a model under DistributedDataParallel",
+        "ddp_comm_hook": "RuntimeError: attach_hooks() on a DDP model that already has a comm",
         "fsdp1": "ValueError: Invalid parameter 0: it is managed by FSDP1",
     }
     for name, start in expected.items():
@@ -92,3 +90,12 @@ def test_dcp_resume_on_another_number_of_ranks_is_exact(tmp_path, saved_on, load
         for dtype in workers.DCP_DTYPES:
             for source in ("dcp", "full"):
                 _identical(result[dtype, source], uninterrupted[dtype])
+
+
+def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
+    sync, ranks = _scenario(two_ranks, "ddp_sync"), _scenario(two_ranks, "ddp_async")
+    for result, reference in zip(ranks, sync):
+        for backend, target in (("torch", "ddp"), ("auto", "module"), ("auto", "none")):
+            _identical(result[backend, target], reference[backend])
+    for key in ranks[0]:
+        _identical(ranks[0][key], ranks[1][key])

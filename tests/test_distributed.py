@@ -5,10 +5,16 @@ ranks return with torch.optim.AdamW under the same wrapper and with one process.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import pytest
 
 import _distributed_workers as workers
+from _readme import example
 
 # The arithmetic invariant of DESIGN.md section 3.
 RTOL, ATOL = 1e-6, 1e-7
@@ -99,3 +105,19 @@ def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
             _identical(result[backend, target], reference[backend])
     for key in ranks[0]:
         _identical(ranks[0][key], ranks[1][key])
+
+
+@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous"])
+def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
+    script = tmp_path / "train.py"
+    script.write_text(example(after), encoding="utf-8")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", str(workers.free_port()), str(script)],
+                         cwd=tmp_path, env=env, timeout=120, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if "FSDP2" in after:
+        assert (tmp_path / "checkpoint" / ".metadata").exists()

@@ -115,6 +115,26 @@ def fsdp2_vs_adamw(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
+def fsdp2_clipping(rank: int, world: int, out_dir: str) -> dict:
+    """max_grad_norm, and torch's clip_grad_norm_ before step(), against AdamW + the clip."""
+    from adambridge import AdamBridge
+    result = {}
+    for name in ("max_grad_norm", "clip_grad_norm_", "adamw"):
+        model = shard(make_model())
+        params = list(model.parameters())
+        opt = (torch.optim.AdamW(params, lr=LR, weight_decay=WD) if name == "adamw" else
+               AdamBridge(params, lr=LR, weight_decay=WD,
+                          max_grad_norm=0.05 if name == "max_grad_norm" else None))
+        for step in range(3):
+            model(batch(rank, step)).square().mean().backward()
+            if name != "max_grad_norm":
+                torch.nn.utils.clip_grad_norm_(params, 0.05)
+            opt.step()
+            opt.zero_grad()
+        result[name] = [_full(p) for p in params]
+    return result
+
+
 def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
     """Set full gradients by hand: the result must not depend on the number of ranks."""
     result = {}
@@ -267,9 +287,10 @@ def ddp_async(rank: int, world: int, out_dir: str) -> dict:
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
-            for f in (fsdp2_vs_adamw, fsdp2_given_grads, refusals, ddp_sync, ddp_async)}
+            for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
+                      ddp_async)}
 
 
-SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_given_grads, refusals,
-                                     ddp_sync, ddp_async,
+SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
+                                     fsdp2_given_grads, refusals, ddp_sync, ddp_async,
                                      dcp_save, dcp_load)}

@@ -53,6 +53,12 @@ def test_fsdp2_equals_adamw_under_the_same_fully_shard(two_ranks, setup):
     assert sum(per_rank) == full_bytes and max(per_rank) < full_bytes
 
 
+def test_fsdp2_clipping_equals_adamw_after_clip_grad_norm(two_ranks):
+    for result in _scenario(two_ranks, "fsdp2_clipping"):
+        _close(result["max_grad_norm"], result["adamw"])
+        _close(result["clip_grad_norm_"], result["adamw"])
+
+
 def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(two_ranks):
     ranks = _scenario(two_ranks, "fsdp2_given_grads")
     for dtype in (torch.float32, torch.bfloat16):
@@ -87,7 +93,7 @@ def test_ddp_sync_equals_adamw_and_ranks_are_identical(two_ranks):
 
 
 
-@pytest.mark.parametrize("saved_on, loaded_on", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 1), (1, 2), (2, 4)])
 def test_dcp_resume_on_another_number_of_ranks_is_exact(tmp_path, saved_on, loaded_on):
     (tmp_path / "save").mkdir()
     (tmp_path / "load").mkdir()

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _validation as check
 from . import checkpoint, state as host_state
 from .codecs import stream_key
 from .functional import Hyper, adamw_update
@@ -159,15 +160,18 @@ def local_of(p: torch.Tensor) -> torch.Tensor:
 def sync_step(opt: Any, stats: Any, began: float) -> None:
     """``opt.step()`` over DTensor (and plain) parameters: each rank updates its shard."""
     work = []
-    for group in opt.param_groups:
+    for i, group in enumerate(opt.param_groups):
+        check.group_flags(group, f"param_groups[{i}]")  # set after construction or load
         for p in group["params"]:
             if p.grad is None:
                 continue
             opt.check_gradient(p)
-            work.append((p, group, shard_offset(p, opt.index(p)) if is_dtensor(p) else 0))
+            sharded = is_dtensor(p)
+            offset = shard_offset(p, opt.index(p)) if sharded else 0
+            work.append((p, group, offset, _local_grad(p, opt.index(p)) if sharded else p.grad))
     items, done = [], []
-    for p, group, offset in work:
-        local, grad = local_of(p).detach(), local_of(p.grad).detach()
+    for p, group, offset, grad in work:
+        local, grad = local_of(p).detach(), grad.detach()
         state = _ensure_state(opt, p, local)
         step = int(state["step"].item()) + 1
         out = _out(opt, p, local)
@@ -181,6 +185,17 @@ def sync_step(opt: Any, stats: Any, began: float) -> None:
         opt._written[p] = (local._version, local.data_ptr())
     stats.num_params, stats.num_batches = len(done), int(bool(done))
     stats.host_update_s = stats.wall_s = time.perf_counter() - began
+
+
+def _local_grad(p: torch.Tensor, index: int) -> torch.Tensor:
+    """The local shard of DTensor p's gradient, laid out as p's own."""
+    grad = p.grad
+    if not is_dtensor(grad):
+        raise ValueError(f"Invalid gradient of parameter {index}: a plain tensor for a DTensor "
+                         f"parameter; set distribute_tensor(grad, p.device_mesh, p.placements)")
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad.to_local()
 
 
 def _item(opt: Any, p: torch.Tensor, group: dict, state: dict, step: int,

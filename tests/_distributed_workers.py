@@ -143,7 +143,15 @@ def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
         opt = run_given_grads(model, precision, _as_dtensor_grad)
         result[precision, dtype] = [_full(p) for p in model.parameters()]
         result[precision, dtype, "bytes"] = opt.host_state_bytes()
+    model = shard(make_model())  # a gradient in another layout is brought to the shard's
+    run_given_grads(model, "bf16", _as_replicated_grad)
+    result["replicated grads"] = [_full(p) for p in model.parameters()]
     return result
+
+
+def _as_replicated_grad(p, g):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    return distribute_tensor(g.to(p.dtype), p.device_mesh, [Replicate()])
 
 
 def run_given_grads(model, precision: str, as_grad, steps=range(4), opt=None) -> object:

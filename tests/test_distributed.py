@@ -67,6 +67,8 @@ def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(two_ranks):
         alone = [p.detach().clone() for p in model.parameters()]
         for result in ranks:
             _identical(result["bf16", dtype], alone)
+            if dtype == torch.float32:
+                _identical(result["replicated grads"], alone)
         assert sum(r["bf16", dtype, "bytes"] for r in ranks) == opt.host_state_bytes()
 
 

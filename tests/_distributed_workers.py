@@ -149,6 +149,19 @@ def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
+def hsdp_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """HSDP on 4 ranks, a 2 x 2 mesh (Replicate, Shard(0)): the same bits as one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    run_given_grads(model, "bf16", _as_dtensor_grad)
+    return {"params": [_full(p) for p in model.parameters()],
+            "placements": str(model[0].weight.placements)}
+
+
 def _as_replicated_grad(p, g):
     from torch.distributed.tensor import Replicate, distribute_tensor
     return distribute_tensor(g.to(p.dtype), p.device_mesh, [Replicate()])
@@ -301,4 +314,4 @@ def two_ranks(rank: int, world: int, out_dir: str) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
-                                     dcp_save, dcp_load)}
+                                     dcp_save, dcp_load, hsdp_given_grads)}

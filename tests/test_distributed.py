@@ -72,6 +72,15 @@ def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(two_ranks):
         assert sum(r["bf16", dtype, "bytes"] for r in ranks) == opt.host_state_bytes()
 
 
+def test_hsdp_on_four_ranks_equals_one_process(tmp_path):
+    model = workers.make_model()
+    workers.run_given_grads(model, "bf16", lambda p, g: g)
+    alone = [p.detach().clone() for p in model.parameters()]
+    for result in workers.launch("hsdp_given_grads", 4, tmp_path):
+        assert result["placements"] == "(Replicate(), Shard(dim=0))"
+        _identical(result["params"], alone)
+
+
 def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
     errors = _scenario(two_ranks, "refusals")[0]
     expected = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,6 @@ def free_port() -> int:
 def launch(scenario: str, world: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> list:
     context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out_dir)),
                                  nprocs=world, join=False, start_method="spawn")
-    import time
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

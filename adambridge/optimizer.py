@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, nvme, state as host_state, step_facts, sync_transfer
+from . import checkpoint, distributed, nvme, state as host_state, step_facts, sync_transfer
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -152,6 +152,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                     continue
                 seen.add(key)
                 check.parameter(key, len(self._param_index) + len(unique))
+                distributed.check_parameter(key, len(self._param_index) + len(unique))
             unique.append(p)
         for key in _OPTIMIZER_WIDE:
             if key in param_group:
@@ -210,6 +211,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return loss
         if self.max_grad_norm is not None:
             stats.grad_norm = step_facts.sync_clip(self)
+        if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
+            if self._tier is not None:
+                raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported: "
+                                 "each rank's shard stays in host RAM; remove offload_dir")
+            distributed.sync_step(self, stats, began)
+            return loss
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
@@ -293,8 +300,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
-                        closes_window=closes_window)
+                        closes_window=closes_window, hook_grads=ddp is None)
+        if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
+            distributed.hand_over_reduced(ddp, self._pipeline)
 
     def detach_hooks(self) -> None:
         """Remove the hooks (always) and go back to synchronous ``step()``."""
@@ -349,7 +359,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 state[key] = value  # not a parameter's: kept as is, as torch does
             elif value:
                 value = filed.get(key, value)  # a file-backed state: its committed tensors
-                state[self._param_index[key]] = checkpoint.saved_entry(key, value)
+                state[self._param_index[key]] = distributed.saved_entry(key, value)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, saved)
@@ -367,8 +377,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         params = [p for group in self.param_groups for p in group["params"]]
-        new_state, new_groups, meta = checkpoint.restore(state_dict, self.param_groups,
-                                                         params, self._precision)
+        new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                                                           params, self._precision)
         if self._tier is not None:
             new_state = self._tier.adopt(new_state)  # file-placed states go into their files
         self.state.clear()

@@ -64,7 +64,8 @@ class Pipeline(FactsMixin):
     def __init__(self, opt: Any, model: Optional[torch.nn.Module], *,
                  make_transport: Callable[[torch.device], Any] = make_transport,
                  accumulation_steps: int = 1,
-                 closes_window: Optional[Callable[[], bool]] = None) -> None:
+                 closes_window: Optional[Callable[[], bool]] = None,
+                 hook_grads: bool = True) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self.owned = [p for group in opt.param_groups for p in group["params"]]
         in_model = self.owned if model is None else _model_params(model, self.owned)
@@ -98,8 +99,9 @@ class Pipeline(FactsMixin):
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.tuner = None
+        # hook_grads=False: someone else calls on_grad (distributed.py's DDP comm hook).
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
-                   for p in self.hooked]
+                   for p in self.hooked] if hook_grads else []
         # Weak references to the lanes, not their queues: a revived lane has a new queue, and
         # a strong one would keep held pieces (and through them this pipeline) alive.
         self._finalizer = weakref.finalize(self, _shut_down, handles,
@@ -126,7 +128,8 @@ class Pipeline(FactsMixin):
 
     # -- the hook (autograd thread)
 
-    def on_grad(self, p: torch.Tensor) -> None:
+    def on_grad(self, p: torch.Tensor, reduced: Optional[torch.Tensor] = None) -> None:
+        """p's gradient is ready: p.grad, or ``reduced`` (kept, never released) if given."""
         cuda_policy.check_hook(p)  # issue 11 item 12: graph capture, compiled backward
         self._track_backward()
         if not self._window_closes():
@@ -146,7 +149,7 @@ class Pipeline(FactsMixin):
             record.fail(exc)
             return
         try:
-            self._enqueue(p, record)
+            self._enqueue(p, record, reduced)
         except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
             record.fail(exc, f"sending the gradient of parameter {index} to the host")
 
@@ -216,14 +219,16 @@ class Pipeline(FactsMixin):
         return Job(opt, p, opt.index(p), self.group_of[p], state, step, grad, out,
                    transport.source(p) if new else None, pieces, transport)
 
-    def _enqueue(self, p: torch.Tensor, record: StepRecord) -> None:
+    def _enqueue(self, p: torch.Tensor, record: StepRecord,
+                 reduced: Optional[torch.Tensor] = None) -> None:
         opt, lane = self.opt, self.lanes[p.device]
         new = opt.needs_values(p)  # a first update, or p written by someone else
-        grad = p.grad
+        grad = p.grad if reduced is None else reduced
         ranges = (chunk_ranges(p.numel(), opt.chunk_size) if p.is_contiguous()
                   else [(0, p.numel())])
         host_grad, tickets = lane.transport.grad_to_host(p, grad, ranges, new)
-        self._release(p, grad, lane)
+        if reduced is None:
+            self._release(p, grad, lane)
         job = record.jobs[p] = self._job(p, host_grad, lane.transport.out(p), len(ranges),
                                          new, lane.transport)
         for (start, end), ticket in zip(ranges, tickets):

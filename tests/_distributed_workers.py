@@ -1,0 +1,317 @@
+"""What each rank of tests/test_distributed*.py runs (spawned processes import this module).
+
+``launch(scenario, world, out_dir)`` starts ``world`` gloo ranks on a free 127.0.0.1 port,
+each runs ``SCENARIOS[scenario](rank, world, out_dir)`` and saves its result (a dict) as
+``out_dir/<rank>.pt``; a rank that fails or runs past the timeout fails the launch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60.0
+DCP_DTYPES = (torch.float32, torch.bfloat16)
+FSDP2_SETUPS = ("plain", "cpu_offload", "mixed_precision")
+LR, WD = 1e-2, 1e-2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> list:
+    context = mp.start_processes(_main, args=(world, free_port(), scenario, str(out_dir)),
+                                 nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"scenario {scenario!r} on {world} ranks ran past {timeout_s} s")
+    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, out_dir)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # no rank closes its sockets while a peer still finishes a collective
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- models and data
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)  # uneven row splits: 37 rows over 2 ranks, 5 over 2, 5 over 4
+    return torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(),
+                               torch.nn.Linear(37, 5)).to(dtype)
+
+
+def full_grads(step: int, shapes: list) -> list:
+    """The same full gradients on every rank (and in the single-process run)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 13, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def train(model, opt, rank: int, steps: int = 4) -> None:
+    for step in range(steps):
+        model(batch(rank, step)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def shard(model, setup: str = "plain"):
+    """fully_shard each Linear and the whole; setup: plain, cpu_offload or mixed_precision."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kwargs = {}
+    if setup == "cpu_offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif setup == "mixed_precision":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+    fully_shard(model[0], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def fsdp2_vs_adamw(rank: int, world: int, out_dir: str) -> dict:
+    """AdamBridge and torch AdamW on the same FSDP2 model, real backward, both backends."""
+    from adambridge import AdamBridge
+    result = {}
+    for setup in FSDP2_SETUPS:
+        for backend in ("torch", "auto"):
+            model = shard(make_model(), setup)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend)
+            train(model, opt, rank)
+            result[setup, backend] = [_full(p) for p in model.parameters()]
+            result[setup, "bytes", backend] = opt.host_state_bytes()
+        theirs = shard(make_model(), setup)
+        train(theirs, torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WD), rank)
+        result[setup, "adamw"] = [_full(p) for p in theirs.parameters()]
+    return result
+
+
+def fsdp2_clipping(rank: int, world: int, out_dir: str) -> dict:
+    """max_grad_norm, and torch's clip_grad_norm_ before step(), against AdamW + the clip."""
+    from adambridge import AdamBridge
+    result = {}
+    for name in ("max_grad_norm", "clip_grad_norm_", "adamw"):
+        model = shard(make_model())
+        params = list(model.parameters())
+        opt = (torch.optim.AdamW(params, lr=LR, weight_decay=WD) if name == "adamw" else
+               AdamBridge(params, lr=LR, weight_decay=WD,
+                          max_grad_norm=0.05 if name == "max_grad_norm" else None))
+        for step in range(3):
+            model(batch(rank, step)).square().mean().backward()
+            if name != "max_grad_norm":
+                torch.nn.utils.clip_grad_norm_(params, 0.05)
+            opt.step()
+            opt.zero_grad()
+        result[name] = [_full(p) for p in params]
+    return result
+
+
+def fsdp2_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """Set full gradients by hand: the result must not depend on the number of ranks."""
+    result = {}
+    for dtype, precision in ((torch.float32, "bf16"), (torch.bfloat16, "bf16")):
+        model = shard(make_model(dtype))
+        opt = run_given_grads(model, precision, _as_dtensor_grad)
+        result[precision, dtype] = [_full(p) for p in model.parameters()]
+        result[precision, dtype, "bytes"] = opt.host_state_bytes()
+    model = shard(make_model())  # a gradient in another layout is brought to the shard's
+    run_given_grads(model, "bf16", _as_replicated_grad)
+    result["replicated grads"] = [_full(p) for p in model.parameters()]
+    return result
+
+
+def hsdp_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """HSDP on 4 ranks, a 2 x 2 mesh (Replicate, Shard(0)): the same bits as one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    run_given_grads(model, "bf16", _as_dtensor_grad)
+    return {"params": [_full(p) for p in model.parameters()],
+            "placements": str(model[0].weight.placements)}
+
+
+def _as_replicated_grad(p, g):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    return distribute_tensor(g.to(p.dtype), p.device_mesh, [Replicate()])
+
+
+def run_given_grads(model, precision: str, as_grad, steps=range(4), opt=None) -> object:
+    from adambridge import AdamBridge
+    params = list(model.parameters())
+    if opt is None:
+        opt = AdamBridge(params, lr=LR, weight_decay=WD, precision=precision, seed=7)
+    for step in steps:
+        for p, g in zip(params, full_grads(step, [p.shape for p in params])):
+            p.grad = as_grad(p, g)
+        opt.step()
+    return opt
+
+
+def _as_dtensor_grad(p, g):
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(g.to(p.dtype), p.device_mesh, p.placements)
+
+
+def _ckpt(out_dir: str, name: str) -> str:
+    return os.path.join(os.path.dirname(out_dir), name)
+
+
+def dcp_save(rank: int, world: int, out_dir: str) -> dict:
+    """2 steps, then DCP save (sharded) and a full state dict, then 2 more steps."""
+    return {dtype: _save_and_go_on(rank, out_dir, dtype) for dtype in DCP_DTYPES}
+
+
+def _save_and_go_on(rank: int, out_dir: str, dtype: torch.dtype) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    model = shard(make_model(dtype))
+    opt = run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2))
+    dcp.save({"model": sd.get_model_state_dict(model),
+              "optim": sd.get_optimizer_state_dict(model, opt)},
+             checkpoint_id=_ckpt(out_dir, f"dcp-{dtype}"))
+    full_options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = {"model": sd.get_model_state_dict(model, options=full_options),
+            "optim": sd.get_optimizer_state_dict(model, opt, options=full_options)}
+    if rank == 0:
+        torch.save(full, _ckpt(out_dir, f"full-{dtype}.pt"))
+    run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
+    return [_full(p) for p in model.parameters()]
+
+
+def dcp_load(rank: int, world: int, out_dir: str) -> dict:
+    """Resume on another number of ranks, from the DCP checkpoint and from the full one."""
+    return {(dtype, source): _load_and_go_on(out_dir, dtype, source)
+            for dtype in DCP_DTYPES for source in ("dcp", "full")}
+
+
+def _load_and_go_on(out_dir: str, dtype: torch.dtype, source: str) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    model = shard(make_model(dtype))
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=3)
+    if source == "dcp":
+        loaded = {"model": sd.get_model_state_dict(model),
+                  "optim": sd.get_optimizer_state_dict(model, opt)}
+        dcp.load(loaded, checkpoint_id=_ckpt(out_dir, f"dcp-{dtype}"))
+        options = None
+    else:
+        loaded = torch.load(_ckpt(out_dir, f"full-{dtype}.pt"), weights_only=False)
+        options = sd.StateDictOptions(full_state_dict=True)
+    sd.set_model_state_dict(model, loaded["model"], options=options)
+    sd.set_optimizer_state_dict(model, opt, loaded["optim"], options=options)
+    assert opt.seed == 7, opt.seed  # the checkpoint's seed, not the constructor's
+    run_given_grads(model, "bf16", _as_dtensor_grad, steps=range(2, 4), opt=opt)
+    return [_full(p) for p in model.parameters()]
+
+
+def refusals(rank: int, world: int, out_dir: str) -> dict:
+    """The one-line errors for what is not handled."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    errors = {}
+    mesh = init_device_mesh("cpu", (world,))
+    column = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    errors["shard1"] = _error(lambda: AdamBridge([column]))
+    fsdp2 = shard(make_model())
+    errors["fsdp2_async"] = _error(lambda: AdamBridge(fsdp2.parameters()).attach_hooks(fsdp2))
+    ddp = DDP(make_model())
+    ddp.register_comm_hook(None, _noop_hook)
+    errors["ddp_comm_hook"] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(ddp))
+    errors["fsdp1"] = _error(lambda: AdamBridge(_fsdp1(make_model()).parameters()))
+    return errors
+
+
+def _noop_hook(state, bucket):
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
+    """DDP + synchronous AdamBridge against DDP + torch AdamW, both backends."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    result = {}
+    for name in ("torch", "auto", "adamw"):
+        model = DDP(make_model())
+        opt = (torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD) if name == "adamw"
+               else AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=name))
+        train(model, opt, rank)
+        result[name] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def ddp_async(rank: int, world: int, out_dir: str) -> dict:
+    """DDP + attach_hooks: hooks on the DDP model, on its module, on every owned parameter."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    result = {}
+    for backend, target in (("torch", "ddp"), ("auto", "module"), ("auto", "none")):
+        model = DDP(make_model())
+        opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend,
+                         small_param_threshold=100)  # the weights are hooked, biases not
+        opt.attach_hooks({"ddp": model, "module": model.module, "none": None}[target])
+        train(model, opt, rank)
+        result[backend, target] = [p.detach().clone() for p in model.parameters()]
+        opt.detach_hooks()
+    return result
+
+
+def two_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
+    return {f.__name__: f(rank, world, out_dir)
+            for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
+                      ddp_async)}
+
+
+SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
+                                     fsdp2_given_grads, refusals, ddp_sync, ddp_async,
+                                     dcp_save, dcp_load, hsdp_given_grads)}

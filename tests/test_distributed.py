@@ -1,0 +1,140 @@
+"""torch.distributed on CPU with gloo, 2 spawned ranks: FSDP2 shards, DDP, the refusals.
+
+Each test launches one scenario of tests/_distributed_workers.py and compares what the
+ranks return with torch.optim.AdamW under the same wrapper and with one process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import pytest
+
+import _distributed_workers as workers
+from _readme import example
+
+# The arithmetic invariant of DESIGN.md section 3.
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def _close(ours: list, theirs: list) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _identical(ours: list, theirs: list) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """What each of 2 ranks returned from every two-rank scenario (one launch)."""
+    return workers.launch("two_ranks", 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+def _scenario(two_ranks: list, name: str) -> list:
+    return [result[name] for result in two_ranks]
+
+
+@pytest.mark.parametrize("setup", workers.FSDP2_SETUPS)
+def test_fsdp2_equals_adamw_under_the_same_fully_shard(two_ranks, setup):
+    ranks = _scenario(two_ranks, "fsdp2_vs_adamw")
+    full_bytes = 12 * sum(p.numel() for p in workers.make_model().parameters())
+    for result in ranks:
+        for backend in ("torch", "auto"):
+            _close(result[setup, backend], result[setup, "adamw"])
+    _identical(ranks[0][setup, "auto"], ranks[1][setup, "auto"])
+    # Host state only for the local shard: the two ranks hold one copy between them.
+    per_rank = [r[setup, "bytes", "auto"] for r in ranks]
+    assert sum(per_rank) == full_bytes and max(per_rank) < full_bytes
+
+
+def test_fsdp2_clipping_equals_adamw_after_clip_grad_norm(two_ranks):
+    for result in _scenario(two_ranks, "fsdp2_clipping"):
+        _close(result["max_grad_norm"], result["adamw"])
+        _close(result["clip_grad_norm_"], result["adamw"])
+
+
+def test_fsdp2_rounding_does_not_depend_on_the_number_of_ranks(two_ranks):
+    ranks = _scenario(two_ranks, "fsdp2_given_grads")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = workers.make_model(dtype)
+        opt = workers.run_given_grads(model, "bf16", lambda p, g: g.to(p.dtype))
+        alone = [p.detach().clone() for p in model.parameters()]
+        for result in ranks:
+            _identical(result["bf16", dtype], alone)
+            if dtype == torch.float32:
+                _identical(result["replicated grads"], alone)
+        assert sum(r["bf16", dtype, "bytes"] for r in ranks) == opt.host_state_bytes()
+
+
+def test_hsdp_on_four_ranks_equals_one_process(tmp_path):
+    model = workers.make_model()
+    workers.run_given_grads(model, "bf16", lambda p, g: g)
+    alone = [p.detach().clone() for p in model.parameters()]
+    for result in workers.launch("hsdp_given_grads", 4, tmp_path):
+        assert result["placements"] == "(Replicate(), Shard(dim=0))"
+        _identical(result["params"], alone)
+
+
+def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
+    errors = _scenario(two_ranks, "refusals")[0]
+    expected = {
+        "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
+        "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
+        "ddp_comm_hook": "RuntimeError: attach_hooks() on a DDP model that already has a comm",
+        "fsdp1": "ValueError: Invalid parameter 0: it is managed by FSDP1",
+    }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]
+
+
+def test_ddp_sync_equals_adamw_and_ranks_are_identical(two_ranks):
+    ranks = _scenario(two_ranks, "ddp_sync")
+    for result in ranks:
+        for backend in ("torch", "auto"):
+            _close(result[backend], result["adamw"])
+    for name in ("torch", "auto", "adamw"):
+        _identical(ranks[0][name], ranks[1][name])
+
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 1), (1, 2), (2, 4)])
+def test_dcp_resume_on_another_number_of_ranks_is_exact(tmp_path, saved_on, loaded_on):
+    (tmp_path / "save").mkdir()
+    (tmp_path / "load").mkdir()
+    uninterrupted = workers.launch("dcp_save", saved_on, tmp_path / "save")[0]
+    for result in workers.launch("dcp_load", loaded_on, tmp_path / "load"):
+        for dtype in workers.DCP_DTYPES:
+            for source in ("dcp", "full"):
+                _identical(result[dtype, source], uninterrupted[dtype])
+
+
+def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
+    sync, ranks = _scenario(two_ranks, "ddp_sync"), _scenario(two_ranks, "ddp_async")
+    for result, reference in zip(ranks, sync):
+        for backend, target in (("torch", "ddp"), ("auto", "module"), ("auto", "none")):
+            _identical(result[backend, target], reference[backend])
+    for key in ranks[0]:
+        _identical(ranks[0][key], ranks[1][key])
+
+
+@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous"])
+def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
+    script = tmp_path / "train.py"
+    script.write_text(example(after), encoding="utf-8")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", str(workers.free_port()), str(script)],
+                         cwd=tmp_path, env=env, timeout=120, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if "FSDP2" in after:
+        assert (tmp_path / "checkpoint" / ".metadata").exists()

@@ -11,19 +11,26 @@ from torch import nn
 from adambridge import AdamBridge, worker
 
 
-class Raise(torch.autograd.Function):
-    """Identity forward; its backward raises what ``exc`` names (after later layers' hooks)."""
+class InBackward(torch.autograd.Function):
+    """Identity forward; its backward first runs ``action()`` (raise, or let the worker
+    handle what has landed), after the hooks of the layers above it have fired."""
 
     @staticmethod
-    def forward(ctx, x, exc):
-        ctx.exc = exc
+    def forward(ctx, x, action):
+        ctx.action = action
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.exc is not None:
-            raise ctx.exc("simulated failure inside backward")
+        if ctx.action is not None:
+            ctx.action()
         return grad, None
+
+
+def _raise(exc):
+    def action():
+        raise exc("simulated failure inside backward")
+    return None if exc is None else action
 
 
 class Net(nn.Module):
@@ -34,7 +41,7 @@ class Net(nn.Module):
 
     def forward(self, x, exc=None):
         x = self.layers[1](self.layers[0](x))
-        x = Raise.apply(x, exc)  # layers 2, 3 get their gradients before this raises
+        x = InBackward.apply(x, _raise(exc))  # layers 2, 3 get their gradients before this raises
         return self.layers[3](self.layers[2](x)).sum()
 
 
@@ -229,7 +236,7 @@ def test_fault_with_overlap_writeback_off_committed_parameters_still_get_their_w
     def backward():
         h = x
         for p in params:  # drained between layers: one parameter per batch, last first
-            h = Drain.apply(torch.tanh(h @ p), opt)
+            h = InBackward.apply(torch.tanh(h @ p), lambda: _settle(opt))
         h.sum().backward()
 
     backward()
@@ -250,17 +257,3 @@ def test_fault_with_overlap_writeback_off_committed_parameters_still_get_their_w
     assert [int(opt.state[p]["step"]) for p in params] == [1, 2, 2]
     for p in params[1:]:  # committed: the parameter holds its new master
         assert torch.equal(p.detach().reshape(-1), opt.state[p]["master"].view(p.shape).reshape(-1))
-
-
-class Drain(torch.autograd.Function):
-    """Identity; its backward lets the worker handle what has landed before going on."""
-
-    @staticmethod
-    def forward(ctx, x, opt):
-        ctx.opt = opt
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _settle(ctx.opt)
-        return grad, None

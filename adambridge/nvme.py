@@ -26,7 +26,8 @@ import torch
 from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
-from .nvme_io import IOPool, lock_directory
+from .nvme_engine import open_engine
+from .nvme_io import IOEngine, lock_directory
 from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state, sync_directory
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
 from .stats import StepStats
@@ -53,7 +54,12 @@ class Tier:
             for fd in self._lock_fds:
                 os.close(fd)
             raise
-        self.pool = IOPool(config.queue_depth)
+        try:
+            self.pool = open_engine(config.io_engine, config.queue_depth)
+        except ValueError:
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
         self._where: dict[torch.Tensor, str] = {}
         self._files: dict[torch.Tensor, ParamFiles] = {}
@@ -95,8 +101,15 @@ class Tier:
         self._place()
         opt = self._opt()
         per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
-        return [Placed(opt.index(p), p.numel(), self._where[p], int(per_param * p.numel()))
+        return [Placed(opt.index(p), p.numel(), self._where[p], int(per_param * p.numel()),
+                       self.pool.name if self._where[p] == "file" else "")
                 for group in opt.param_groups for p in group["params"]]
+
+    @property
+    def io_engine(self) -> str:
+        """The engine moving this tier's pages, in words: 'io_uring', or the thread pool and
+        (with io_engine='auto') why io_uring was not used."""
+        return self.pool.describe()
 
     def new_state(self, p: torch.Tensor) -> dict:
         """The in-RAM part of a file-backed state: only ``step``. Files are created (space
@@ -330,7 +343,7 @@ def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
     return out is not None and out.data_ptr() != p.data_ptr()
 
 
-def _close(pool: IOPool, lock_fds: list, files: dict) -> None:
+def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
     pool.close()
     for param_files in files.values():
         param_files.close()

@@ -206,6 +206,10 @@ class IOEngine:
         why = f" (io_uring unavailable: {self.fallback_reason})" if self.fallback_reason else ""
         return f"a pool of pread/pwrite threads{why}"
 
+    def register(self, buffers: list) -> None:
+        """The buffers every request will use (the page ring): io_uring pins them once; the
+        thread pool has nothing to do."""
+
     def call(self, fn: Callable[[], None]) -> Future:
         return self._pool.submit(fn)
 

@@ -59,6 +59,7 @@ class PageStream:
         size = layout.record_bytes
         if not self.buffers or self.buffers[0].nbytes != size:
             self.buffers = [AlignedBuffer(size) for _ in range(self.pool.queue_depth + 1)]
+            self.pool.register(self.buffers)
         return self.buffers
 
     def run(self, opt: Any, jobs: list[StreamJob], backend: str,

@@ -25,7 +25,9 @@ _REAP_BATCH = 64
 _PROTOTYPES = {
     "ab_uring_open": (c_int, (c_uint32, POINTER(c_void_p))),
     "ab_uring_close": (None, (c_void_p,)),
-    "ab_uring_submit": (c_int, (c_void_p, c_int, c_int, c_void_p, c_uint32, c_uint64, c_uint64)),
+    "ab_uring_register_buffers": (c_int, (c_void_p, POINTER(c_void_p), POINTER(c_uint64), c_int)),
+    "ab_uring_submit": (c_int, (c_void_p, c_int, c_int, c_void_p, c_uint32, c_uint64, c_int,
+                                c_uint64)),
     "ab_uring_reap": (c_int, (c_void_p, c_int, POINTER(c_uint64), POINTER(c_int32), c_int)),
 }
 
@@ -110,6 +112,30 @@ class UringEngine(IOEngine):
         self._next_tag = 1
         self._tags = (c_uint64 * _REAP_BATCH)()
         self._results = (c_int32 * _REAP_BATCH)()
+        self._registered: dict[int, int] = {}  # buffer address -> its registered index
+        self.unregistered_reason = ""
+
+    def describe(self) -> str:
+        if self.unregistered_reason:
+            return f"io_uring (buffers not registered: {self.unregistered_reason})"
+        return "io_uring"
+
+    def register(self, buffers: list) -> None:
+        """Pin the ring's buffers once (READ_FIXED/WRITE_FIXED then skip pinning the pages of
+        every request). Where the kernel refuses (RLIMIT_MEMLOCK: ENOMEM) requests stay plain
+        reads and writes, which is slower but the same bytes; describe() says why."""
+        addrs = (c_void_p * len(buffers))(*[b.tensor.data_ptr() for b in buffers])
+        lens = (c_uint64 * len(buffers))(*[b.nbytes for b in buffers])
+        with self._lock:
+            while self._in_flight:  # registration needs an idle ring
+                self._reap(1)
+            status = self._lib.ab_uring_register_buffers(self._ring, addrs, lens, len(buffers))
+            if status < 0:
+                self._registered = {}
+                self.unregistered_reason = os.strerror(-status)
+            else:
+                self._registered = {b.tensor.data_ptr(): i for i, b in enumerate(buffers)}
+                self.unregistered_reason = ""
 
     def read(self, file: DataFile, buffer: AlignedBuffer, offset: int,
              nbytes: int) -> UringRequest:
@@ -122,11 +148,13 @@ class UringEngine(IOEngine):
     def _submit(self, op: int, file: DataFile, buffer: AlignedBuffer, offset: int,
                 nbytes: int) -> UringRequest:
         request = UringRequest(self, op, file, offset, nbytes)
+        address = buffer.tensor.data_ptr()
         with self._lock:
             tag, self._next_tag = self._next_tag, self._next_tag + 1
+            index = self._registered.get(address, -1)
             while True:
-                status = self._lib.ab_uring_submit(self._ring, op, file.fd,
-                                                   buffer.tensor.data_ptr(), nbytes, offset, tag)
+                status = self._lib.ab_uring_submit(self._ring, op, file.fd, address, nbytes,
+                                                   offset, index, tag)
                 if status != -_EBUSY or not self._in_flight:
                     break
                 self._reap(1)  # the queue is full: make room

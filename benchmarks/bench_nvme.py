@@ -95,6 +95,7 @@ class RawFloor:
         self.pages, self.record = pages, record
         self.pool = open_engine(engine, queue_depth)
         self.buffers = [AlignedBuffer(record) for _ in range(queue_depth + 1)]
+        self.pool.register(self.buffers)  # as the tier's page ring
         self._run(prefill=True)  # written once, so reads hit real extents, not holes
 
     def _run(self, prefill: bool = False) -> float:

@@ -378,3 +378,33 @@ def test_environment_engine_refused_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"Invalid ADAMBRIDGE_NVME_IO: 'uring' \(expected one "
                                          r"of auto, io_uring, threads\)"):
         _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path))
+
+
+class _NoPinningLibrary(_RefusingLibrary):
+    """The native library where io_uring_register refuses to pin buffers (RLIMIT_MEMLOCK)."""
+
+    def ab_uring_open(self, entries, ring) -> int:
+        return self._lib.ab_uring_open(entries, ring)
+
+    def ab_uring_register_buffers(self, ring, addrs, lens, count) -> int:
+        return -errno.ENOMEM
+
+
+@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+@pytest.mark.parametrize("pinned", [True, False], ids=["registered", "memlock refused"])
+def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monkeypatch):
+    if not pinned:
+        real = nvme_engine.uring_library()[0]
+        monkeypatch.setattr(nvme_engine, "uring_library",
+                            lambda: (_NoPinningLibrary(real, 0), ""))
+    ram_params, ram_opt = _run(CONFIGS[2], "torch", 3)
+    params, opt = _run(CONFIGS[2], "torch", 3, **_tier_args(tmp_path, engine="io_uring"))
+    _assert_same(ram_params, ram_opt, params, opt)
+    engine = opt.nvme_tier.pool
+    ring = {b.tensor.data_ptr() for b in opt.nvme_tier.stream.buffers}
+    if pinned:  # the page ring is what the kernel pinned
+        assert set(engine._registered) == ring and opt.nvme_tier.io_engine == "io_uring"
+    else:
+        assert engine._registered == {}
+        assert opt.nvme_tier.io_engine == ("io_uring (buffers not registered: Cannot allocate "
+                                           "memory)")

@@ -29,9 +29,15 @@ AB_API int ab_uring_open(uint32_t entries, void **ring) {
     return -ENOSYS;
 }
 AB_API void ab_uring_close(void *ring) { (void)ring; }
+AB_API int ab_uring_register_buffers(void *ring, void *const *addrs, const uint64_t *lens,
+                                     int count) {
+    (void)ring; (void)addrs; (void)lens; (void)count;
+    return -ENOSYS;
+}
 AB_API int ab_uring_submit(void *ring, int op, int fd, void *buf, uint32_t len, uint64_t offset,
-                           uint64_t tag) {
-    (void)ring; (void)op; (void)fd; (void)buf; (void)len; (void)offset; (void)tag;
+                           int buf_index, uint64_t tag) {
+    (void)ring; (void)op; (void)fd; (void)buf; (void)len; (void)offset; (void)buf_index;
+    (void)tag;
     return -ENOSYS;
 }
 AB_API int ab_uring_reap(void *ring, int min_complete, uint64_t *tags, int32_t *results, int max) {
@@ -46,6 +52,7 @@ AB_API int ab_uring_reap(void *ring, int min_complete, uint64_t *tags, int32_t *
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 typedef struct {
@@ -67,6 +74,10 @@ static int setup(unsigned entries, struct io_uring_params *p) {
 
 static int enter(int fd, unsigned submit, unsigned min_complete, unsigned flags) {
     return (int)syscall(__NR_io_uring_enter, fd, submit, min_complete, flags, NULL, 0);
+}
+
+static int register_op(int fd, unsigned opcode, void *arg, unsigned count) {
+    return (int)syscall(__NR_io_uring_register, fd, opcode, arg, count);
 }
 
 static void unmap_all(ab_ring *r) {
@@ -142,8 +153,29 @@ AB_API void ab_uring_close(void *ring) {
     free(r);
 }
 
+AB_API int ab_uring_register_buffers(void *ring, void *const *addrs, const uint64_t *lens,
+                                     int count) {
+    ab_ring *r = ring;
+    if (count <= 0) return -EINVAL;
+    struct iovec *iov = calloc((size_t)count, sizeof *iov);
+    if (!iov) return -ENOMEM;
+    for (int i = 0; i < count; i++) {
+        iov[i].iov_base = addrs[i];
+        iov[i].iov_len = (size_t)lens[i];
+    }
+    /* ENXIO: nothing was registered yet, which is fine. */
+    if (register_op(r->fd, IORING_UNREGISTER_BUFFERS, NULL, 0) < 0 && errno != ENXIO) {
+        int err = -errno;
+        free(iov);
+        return err;
+    }
+    int status = register_op(r->fd, IORING_REGISTER_BUFFERS, iov, (unsigned)count) < 0 ? -errno : 0;
+    free(iov);
+    return status;
+}
+
 AB_API int ab_uring_submit(void *ring, int op, int fd, void *buf, uint32_t len, uint64_t offset,
-                           uint64_t tag) {
+                           int buf_index, uint64_t tag) {
     ab_ring *r = ring;
     if (op != AB_URING_READ && op != AB_URING_WRITE) return -EINVAL;
     unsigned tail = *r->sq_tail;  /* only this side writes the tail */
@@ -152,7 +184,12 @@ AB_API int ab_uring_submit(void *ring, int op, int fd, void *buf, uint32_t len, 
     unsigned index = tail & *r->sq_mask;
     struct io_uring_sqe *sqe = &r->sqes[index];
     memset(sqe, 0, sizeof *sqe);
-    sqe->opcode = op == AB_URING_READ ? IORING_OP_READ : IORING_OP_WRITE;
+    if (buf_index >= 0) {
+        sqe->opcode = op == AB_URING_READ ? IORING_OP_READ_FIXED : IORING_OP_WRITE_FIXED;
+        sqe->buf_index = (uint16_t)buf_index;
+    } else {
+        sqe->opcode = op == AB_URING_READ ? IORING_OP_READ : IORING_OP_WRITE;
+    }
     sqe->fd = fd;
     sqe->addr = (uint64_t)(uintptr_t)buf;
     sqe->len = len;

@@ -15,9 +15,14 @@ enum ab_uring_op { AB_URING_READ = 0, AB_URING_WRITE = 1 };
 /* A ring of at least `entries` submissions; *ring is NULL on failure. */
 AB_API int ab_uring_open(uint32_t entries, void **ring);
 AB_API void ab_uring_close(void *ring);
-/* Queue one request and hand it to the kernel; -EBUSY when the submission queue is full. */
+/* Pin `count` buffers once (IORING_REGISTER_BUFFERS) so requests into them skip the per-I/O
+ * page pinning; any earlier registration is dropped first. No request may be in flight. */
+AB_API int ab_uring_register_buffers(void *ring, void *const *addrs, const uint64_t *lens,
+                                     int count);
+/* Queue one request and hand it to the kernel; -EBUSY when the submission queue is full.
+ * buf_index >= 0: buf lies in that registered buffer (IORING_OP_READ_FIXED/WRITE_FIXED). */
 AB_API int ab_uring_submit(void *ring, int op, int fd, void *buf, uint32_t len, uint64_t offset,
-                           uint64_t tag);
+                           int buf_index, uint64_t tag);
 /* Wait until at least `min_complete` completions are ready (0: do not wait), then move up to
  * `max` of them into tags[] / results[] (bytes moved or -errno); returns how many were moved. */
 AB_API int ab_uring_reap(void *ring, int min_complete, uint64_t *tags, int32_t *results, int max);

@@ -9,9 +9,10 @@ a noisy machine slows all alike, each reported as a median:
 - in-RAM: AdamBridge with its state in host memory (the update alone);
 - tier: AdamBridge(offload_dir=DIR, host_budget=0): every page read, updated and written
   back through O_DIRECT, fsynced and committed;
-- raw floor: the same bytes in the same pattern (read slot A of page k, write slot B, records
-  of the tier's size, the same queue depth, then fdatasync) with no update: the I/O alone,
-  through the tier's own engine (io_uring or the thread pool) and through the other one;
+- raw floor: the same bytes in the same pattern on the tier's own files (read each page's
+  committed slot, write its other slot, records of the tier's size, the same queue depth,
+  then fdatasync) with no update: the I/O alone, through the tier's own engine (io_uring
+  or the thread pool) and through the other one;
 - fio (when installed): a mixed sequential read/write of the same bytes, direct=1, libaio.
 
 Goals (issue 14): tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from adambridge import AdamBridge  # noqa: E402
 from adambridge.nvme import OffloadConfig  # noqa: E402
 from adambridge.nvme_engine import open_engine  # noqa: E402
-from adambridge.nvme_io import AlignedBuffer, DataFile  # noqa: E402
+from adambridge.nvme_io import AlignedBuffer  # noqa: E402
 from adambridge.nvme_layout import PageLayout  # noqa: E402
 
 
@@ -87,42 +88,46 @@ def validate(precision: str, directory: Path, args) -> None:
 
 
 class RawFloor:
-    """The tier's I/O pattern without the update: per page, read one slot, write the other."""
+    """The tier's I/O without the update: each page's committed slot read and its other slot
+    written, on the tier's own files (the same extents, so where the disk placed a file cannot
+    favour either side), in records of the tier's size at its queue depth, then fdatasync.
+    The other slot is the one the tier's next step overwrites anyway: its state is unharmed."""
 
-    def __init__(self, path: Path, pages: int, record: int, queue_depth: int,
-                 engine: str) -> None:
-        self.file = DataFile(path, 2 * pages * record)
-        self.pages, self.record = pages, record
+    def __init__(self, tier, engine: str, queue_depth: int) -> None:
+        self.tier = tier
+        self.record = tier.layout.record_bytes
         self.pool = open_engine(engine, queue_depth)
-        self.buffers = [AlignedBuffer(record) for _ in range(queue_depth + 1)]
+        self.buffers = [AlignedBuffer(self.record) for _ in range(queue_depth + 1)]
         self.pool.register(self.buffers)  # as the tier's page ring
-        self._run(prefill=True)  # written once, so reads hit real extents, not holes
 
-    def _run(self, prefill: bool = False) -> float:
+    def _pages(self) -> list:
+        pages = []
+        for files in self.tier._files.values():
+            generation = self.tier._committed[files.index][0]
+            for k in range(files.num_pages):
+                file, read_at = files.locate(k, generation)
+                pages.append((file, read_at, files.locate(k, generation + 1)[1]))
+        return pages
+
+    def time(self) -> float:
         began = time.perf_counter()
-        futures = []
-        for k in range(self.pages):
+        futures, files = [], {}
+        for k, (file, read_at, write_at) in enumerate(self._pages()):
+            files[id(file)] = file
             buffer = self.buffers[k % len(self.buffers)]
-            if prefill:
-                futures.append(self.pool.write(self.file, buffer, 2 * k * self.record, self.record))
-            else:
-                futures.append(self.pool.read(self.file, buffer, 2 * k * self.record, self.record))
-            futures.append(self.pool.write(self.file, buffer, (2 * k + 1) * self.record,
-                                           self.record))
+            futures.append(self.pool.read(file, buffer, read_at, self.record))
+            futures.append(self.pool.write(file, buffer, write_at, self.record))
             while len(futures) > self.pool.queue_depth:
                 self.pool.wait(futures.pop(0))  # queue_depth requests in flight, as the tier
         error = self.pool.drain(futures)
         if error is not None:
             raise error
-        self.file.sync()
+        for file in files.values():
+            file.sync()
         return time.perf_counter() - began
-
-    def time(self) -> float:
-        return self._run()
 
     def close(self) -> None:
         self.pool.close()
-        self.file.close()
 
 
 def fio_seconds(directory: Path, nbytes: int, record: int, queue_depth: int) -> float | None:
@@ -163,15 +168,13 @@ def _measure(args, directory: Path) -> dict:
     layout = PageLayout(args.precision, args.page_size)
     pages = sum(-(-p.numel() // args.page_size) for p in params)
     nbytes = pages * layout.record_bytes
-    floors = {"floor": RawFloor(directory / "floor.dat", pages, layout.record_bytes,
-                                args.queue_depth, engine)}
-    try:
-        floors["floor_other"] = RawFloor(directory / "floor2.dat", pages, layout.record_bytes,
-                                         args.queue_depth, other)
-    except ValueError:  # io_uring refused here: the tier runs on threads, so does the floor
-        pass
     for _ in range(2):  # the first tier step writes only (new state); the second warms up
         _step(ram, ram_params, grads), _step(tier, params, grads)
+    floors = {"floor": RawFloor(tier.nvme_tier, engine, args.queue_depth)}
+    try:
+        floors["floor_other"] = RawFloor(tier.nvme_tier, other, args.queue_depth)
+    except ValueError:  # io_uring refused here: the tier runs on threads, so does the floor
+        pass
     times = {"ram": [], "tier": [], "io_wait": [], **{k: [] for k in floors}}
     for _ in range(args.repeats):
         times["ram"].append(_step(ram, ram_params, grads))

@@ -114,6 +114,9 @@ class UringEngine(IOEngine):
         self._results = (c_int32 * _REAP_BATCH)()
         self._registered: dict[int, int] = {}  # buffer address -> its registered index
         self.unregistered_reason = ""
+        # NOTE: a forked child shares the ring itself (the same CQ), not a copy: reaping
+        # there would steal the parent's completions, so the child never touches it.
+        self._pid = os.getpid()
 
     def describe(self) -> str:
         if self.unregistered_reason:
@@ -147,6 +150,10 @@ class UringEngine(IOEngine):
 
     def _submit(self, op: int, file: DataFile, buffer: AlignedBuffer, offset: int,
                 nbytes: int) -> UringRequest:
+        if os.getpid() != self._pid:
+            raise TierError("NVMe tier: this optimizer's io_uring belongs to the process that "
+                            "made it, not to this forked child; build the optimizer in the child "
+                            "or pass OffloadConfig(io_engine='threads')")
         request = UringRequest(self, op, file, offset, nbytes)
         address = buffer.tensor.data_ptr()
         with self._lock:
@@ -193,6 +200,9 @@ class UringEngine(IOEngine):
                 self.counters.add(**moved)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:  # a forked child: the parent's ring, not ours to drain
+            super().close()
+            return
         with self._lock:
             while self._in_flight:  # the kernel may still be writing into a buffer
                 self._reap(1)

@@ -408,3 +408,28 @@ def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monk
         assert engine._registered == {}
         assert opt.nvme_tier.io_engine == ("io_uring (buffers not registered: Cannot allocate "
                                            "memory)")
+
+
+@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+def test_io_uring_is_refused_in_a_forked_child(tmp_path):
+    _, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, engine="io_uring"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's ring: it must not submit to it
+        message = b"no error"
+        try:
+            opt.nvme_tier.pool.read(None, opt.nvme_tier.stream.buffers[0], 0, 4096)
+        except nvme_io.TierError as exc:
+            message = str(exc).encode()
+        os.write(write, message)
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    said = os.read(read, 4096).decode()
+    assert said.startswith("NVMe tier: this optimizer's io_uring belongs to the process that "
+                           "made it"), said
+    # The parent's ring is untouched: its next step still streams.
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()

@@ -74,9 +74,9 @@ def topology_facts() -> Facts:
 
 
 def tier_facts() -> Facts:
-    """The NVMe tier (issue 14): whether O_DIRECT works under $TMPDIR."""
-    from .nvme_io import describe_direct_io
-    return [("nvme tier", describe_direct_io(os.environ.get("TMPDIR", "/tmp")))]
+    """The NVMe tier (issue 14): whether O_DIRECT works under $TMPDIR, and the I/O engine."""
+    from .nvme_engine import describe_tier_io
+    return [("nvme tier", describe_tier_io(os.environ.get("TMPDIR", "/tmp")))]
 
 
 def _print_facts(facts: Facts) -> None:

@@ -26,8 +26,10 @@ import torch
 from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
-from .nvme_io import IOPool, lock_directory
-from .nvme_layout import PageLayout, ParamFiles, publish_manifest, read_state, sync_directory
+from .nvme_engine import open_engine
+from .nvme_io import IOEngine, lock_directory
+from .nvme_layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
+                          sync_directory)
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
 from .stats import StepStats
 
@@ -53,7 +55,12 @@ class Tier:
             for fd in self._lock_fds:
                 os.close(fd)
             raise
-        self.pool = IOPool(config.queue_depth)
+        try:
+            self.pool = open_engine(config.io_engine, config.queue_depth)
+        except ValueError:
+            for fd in self._lock_fds:
+                os.close(fd)
+            raise
         self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
         self._where: dict[torch.Tensor, str] = {}
         self._files: dict[torch.Tensor, ParamFiles] = {}
@@ -95,8 +102,15 @@ class Tier:
         self._place()
         opt = self._opt()
         per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
-        return [Placed(opt.index(p), p.numel(), self._where[p], int(per_param * p.numel()))
+        return [Placed(opt.index(p), p.numel(), self._where[p], int(per_param * p.numel()),
+                       self.pool.name if self._where[p] == "file" else "")
                 for group in opt.param_groups for p in group["params"]]
+
+    @property
+    def io_engine(self) -> str:
+        """The engine moving this tier's pages, in words: 'io_uring', or the thread pool and
+        (with io_engine='auto') why io_uring was not used."""
+        return self.pool.describe()
 
     def new_state(self, p: torch.Tensor) -> dict:
         """The in-RAM part of a file-backed state: only ``step``. Files are created (space
@@ -157,32 +171,33 @@ class Tier:
                     job.adopt = not master_is_rounding(self.pool, job.files, ring[0],
                                                        job.generation, job.source)
             host_s = self.stream.run(self._opt(), jobs, backend, self._renamed)
-            self._sync(jobs)
             committed = dict(self._committed)
             for job in jobs:
                 committed[job.files.index] = (job.generation + 1, job.step)
-            self._publish(committed)
+            self._publish(committed, [f for job in jobs for f in job.files.files])
             self._committed = committed
             self._last_commit_s = time.perf_counter()
         return host_s
 
-    def _publish(self, committed: dict) -> None:
+    def _publish(self, committed: dict, written: list) -> None:
+        """Commit: fdatasync every file in ``written`` and stage the new manifest, all at once
+        (their device flushes overlap instead of following each other), then rename it into
+        place. Nothing is renamed unless every page it names is durable."""
         opt = self._opt()
         by_index = {files.index: files for files in self._files.values()}
         entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
                        "generation": gen, "step": step}
                    for i, (gen, step) in committed.items() if i in by_index}
-        self.pool.wait(self._renamed)
-        publish_manifest(self.dirs[0], self.config.page_size, self.dirs, entries)
-        # The rename becomes durable in the background; the next write to a slot waits for it.
-        self._renamed = self.pool.call(functools.partial(sync_directory, self.dirs[0]))
-
-    def _sync(self, jobs: list[StreamJob]) -> None:
-        """fdatasync every file the jobs wrote, all at once (one device flush, not one each)."""
-        files = {id(f): f for job in jobs for f in job.files.files}.values()
-        error = self.pool.drain([self.pool.call(f.sync) for f in files])
+        files = {id(f): f for f in written}.values()
+        stage = functools.partial(stage_manifest, self.dirs[0], self.config.page_size, self.dirs,
+                                  entries)
+        error = self.pool.drain([self.pool.call(f.sync) for f in files] + [self.pool.call(stage)])
         if error is not None:
             raise error
+        self.pool.wait(self._renamed)
+        rename_manifest(self.dirs[0])
+        # The rename becomes durable in the background; the next write to a slot waits for it.
+        self._renamed = self.pool.call(functools.partial(sync_directory, self.dirs[0]))
 
     # -- asynchronous mode: called by the worker with each batch of landed pieces
 
@@ -281,13 +296,11 @@ class Tier:
                 generation = self._committed.get(files.index, (0, 0))[0] + 1
                 self._write_state(files, state, generation)
                 written[p] = (files.index, generation, int(state["step"].item()))
-            for p in written:
-                self._files[p].sync()
             # Parameters the checkpoint has no state for start fresh, as in torch.
             kept = {self._files[p].index for p in new_state if p in self._files}
             committed = {i: v for i, v in self._committed.items() if i in kept}
             committed.update({i: (gen, step) for i, gen, step in written.values()})
-            self._publish(committed)
+            self._publish(committed, [f for p in written for f in self._files[p].files])
             self._committed = committed
         return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
 
@@ -330,7 +343,7 @@ def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
     return out is not None and out.data_ptr() != p.data_ptr()
 
 
-def _close(pool: IOPool, lock_fds: list, files: dict) -> None:
+def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
     pool.close()
     for param_files in files.values():
         param_files.close()

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import state as host_state
 from .codecs import FP8_BLOCK
+from .nvme_engine import check_engine
 
 PathArg = Union[str, os.PathLike]
 
@@ -20,21 +21,27 @@ PathArg = Union[str, os.PathLike]
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where and how the tier streams: ``paths`` (one per drive, striped), ``page_size``
-    (elements per page, a multiple of 128) and ``queue_depth`` (I/O requests in flight)."""
+    (elements per page, a multiple of 128), ``queue_depth`` (I/O requests in flight) and
+    ``io_engine``: 'auto' (io_uring where the kernel allows it, else a thread pool; the
+    ADAMBRIDGE_NVME_IO environment variable can decide), 'io_uring' or 'threads'
+    (nvme_engine.py)."""
 
     paths: Sequence[PathArg]
     page_size: int = 1 << 18
     queue_depth: int = 8
+    io_engine: str = "auto"
 
 
 @dataclass(frozen=True)
 class Placed:
-    """Where one parameter's state lives: ``where`` is 'ram' or 'file'."""
+    """Where one parameter's state lives: ``where`` is 'ram' or 'file'; ``io`` is the engine
+    that moves a file's pages ('io_uring' or 'threads'), '' for RAM."""
 
     index: int
     numel: int
     where: str
     state_bytes: int
+    io: str = ""
 
 
 # --------------------------------------------------------------------------- arguments
@@ -82,6 +89,7 @@ def _check_config(config: OffloadConfig) -> None:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
         raise ValueError(f"Invalid queue_depth: {depth!r} (expected an int >= 2: one read "
                          f"and one write in flight)")
+    check_engine(config.io_engine)
 
 
 # --------------------------------------------------------------------------- placement

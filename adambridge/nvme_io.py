@@ -1,9 +1,10 @@
-"""Direct file I/O for the NVMe tier: 4096-aligned reused buffers, O_DIRECT files, a thread pool.
+"""Direct file I/O for the NVMe tier: 4096-aligned reused buffers, O_DIRECT files, the engines.
 
-Each read or write is one ``os.preadv``/``os.pwritev`` of a whole page record into or out of
-an aligned buffer; both release the GIL, so ``queue_depth`` threads keep that many requests
-in flight while the kernel (which releases the GIL too) updates another page. io_uring is
-not used: a pool of blocking calls reaches the same queue depth without a native dependency.
+Each read or write is one whole page record into or out of an aligned buffer. Two engines
+move them, chosen per tier by nvme_engine.py: io_uring (nvme_uring.py: no thread per request,
+completions reaped by the thread that waits) where the kernel allows it, and here a pool of
+``queue_depth`` threads doing ``os.preadv``/``os.pwritev`` (both release the GIL) where it
+does not. Both give the same results and the same one-line errors (``check_transfer``).
 Where a filesystem refuses O_DIRECT (EINVAL at open) the file falls back to buffered I/O,
 with one warning per directory.
 """
@@ -18,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -185,46 +186,34 @@ class IOCounters:
             return taken
 
 
-class IOPool:
-    """``queue_depth`` threads running whole-record reads and writes; futures for each."""
+class IOEngine:
+    """What both engines share: the counters, helper threads for non-I/O work (a fresh page,
+    an fsync), and waiting. ``read``/``write`` return a request with ``done()``/``result()``
+    (a Future, or an io_uring request) whose ``result()`` raises the TierError."""
 
-    def __init__(self, queue_depth: int) -> None:
+    name = ""
+
+    def __init__(self, queue_depth: int, helpers: int) -> None:
         self.queue_depth = queue_depth
         self.counters = IOCounters()
-        self._pool = ThreadPoolExecutor(max_workers=queue_depth,
-                                        thread_name_prefix="adambridge-io")
+        self.fallback_reason = ""  # why io_uring was not used, when it was asked for by 'auto'
+        self._pool = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="adambridge-io")
 
-    def read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
-        return self._pool.submit(self._read, file, buffer, offset, nbytes)
+    def describe(self) -> str:
+        """One line for placement and info: which engine moves the pages, and why."""
+        if self.name == "io_uring":
+            return "io_uring"
+        why = f" (io_uring unavailable: {self.fallback_reason})" if self.fallback_reason else ""
+        return f"a pool of pread/pwrite threads{why}"
 
-    def write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
-        return self._pool.submit(self._write, file, buffer, offset, nbytes)
+    def register(self, buffers: list) -> None:
+        """The buffers every request will use (the page ring): io_uring pins them once; the
+        thread pool has nothing to do."""
 
     def call(self, fn: Callable[[], None]) -> Future:
         return self._pool.submit(fn)
 
-    def _read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
-        try:
-            got = _preadv(file.fd, [buffer.memory[:nbytes]], offset)
-        except OSError as exc:
-            raise TierError(describe_os_error("reading", file.path, exc)) from None
-        if got != nbytes:
-            raise TierError(f"NVMe tier: reading {file.path} at byte {offset} returned {got} of "
-                            f"{nbytes} bytes: it was truncated outside adambridge; restore the "
-                            f"optimizer from a checkpoint with opt.load_state_dict()")
-        self.counters.add(read=nbytes)
-
-    def _write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
-        try:
-            put = _pwritev(file.fd, [buffer.memory[:nbytes]], offset)
-        except OSError as exc:
-            raise TierError(describe_os_error("writing", file.path, exc)) from None
-        if put != nbytes:  # a short write is how some filesystems report a full disk
-            raise TierError(describe_os_error("writing", file.path,
-                                              OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
-        self.counters.add(written=nbytes)
-
-    def wait(self, future: Optional[Future]) -> None:
+    def wait(self, future: Optional[Any]) -> None:
         """Block on one request, counting the time as I/O wait; re-raise its error."""
         if future is None:
             return
@@ -253,8 +242,57 @@ class IOPool:
         self._pool.shutdown(wait=not inside)
 
 
-def describe_direct_io(directory: str) -> str:
-    """One line for ``python -m adambridge info``: does O_DIRECT work in ``directory``?"""
+def transfer_error(kind: str, file: DataFile, exc: OSError) -> TierError:
+    """The TierError of a failed read or write (``kind``: 'reading' or 'writing')."""
+    return TierError(describe_os_error(kind, file.path, exc))
+
+
+def check_transfer(kind: str, file: DataFile, offset: int, nbytes: int, moved: int) -> None:
+    """Raise the one-line TierError when a read or write moved fewer than ``nbytes``."""
+    if moved == nbytes:
+        return
+    if kind == "reading":
+        raise TierError(f"NVMe tier: reading {file.path} at byte {offset} returned {moved} of "
+                        f"{nbytes} bytes: it was truncated outside adambridge; restore the "
+                        f"optimizer from a checkpoint with opt.load_state_dict()")
+    # A short write is how some filesystems report a full disk.
+    raise transfer_error(kind, file, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+
+class IOPool(IOEngine):
+    """``queue_depth`` threads running whole-record reads and writes; futures for each."""
+
+    name = "threads"
+
+    def __init__(self, queue_depth: int) -> None:
+        super().__init__(queue_depth, helpers=queue_depth)
+
+    def read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
+        return self._pool.submit(self._read, file, buffer, offset, nbytes)
+
+    def write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> Future:
+        return self._pool.submit(self._write, file, buffer, offset, nbytes)
+
+    def _read(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
+        try:
+            got = _preadv(file.fd, [buffer.memory[:nbytes]], offset)
+        except OSError as exc:
+            raise transfer_error("reading", file, exc) from None
+        check_transfer("reading", file, offset, nbytes, got)
+        self.counters.add(read=nbytes)
+
+    def _write(self, file: DataFile, buffer: AlignedBuffer, offset: int, nbytes: int) -> None:
+        try:
+            put = _pwritev(file.fd, [buffer.memory[:nbytes]], offset)
+        except OSError as exc:
+            raise transfer_error("writing", file, exc) from None
+        check_transfer("writing", file, offset, nbytes, put)
+        self.counters.add(written=nbytes)
+
+
+def describe_direct_io(directory: str, engine: str) -> str:
+    """One line for ``python -m adambridge info``: does O_DIRECT work in ``directory``, and
+    which engine (``engine``, an IOEngine.describe()) would move the pages?"""
     path = Path(directory) / f".adambridge-probe-{os.getpid()}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_DIRECT, 0o600)
@@ -269,6 +307,6 @@ def describe_direct_io(directory: str) -> str:
     finally:
         os.close(fd)
         path.unlink()
-    return (f"O_DIRECT works in {directory} (offload_dir=...; I/O by a pool of pread/pwrite "
-            f"threads; opt.placement() shows what goes there)")
+    return (f"O_DIRECT works in {directory} (offload_dir=...; I/O by {engine}; "
+            f"opt.placement() shows what goes there)")
 

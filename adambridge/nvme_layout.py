@@ -115,12 +115,13 @@ class ParamFiles:
             file.close()
 
 
-def publish_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
-                     entries: dict[int, dict]) -> None:
-    """Replace the manifest atomically: temp file, fsync, rename. The rename is durable once
-    ``sync_directory`` has run; the caller must do that before overwriting any page the old
-    manifest names (the tier does it before the next step's first write)."""
-    path = directory / MANIFEST
+def stage_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
+                   entries: dict[int, dict]) -> None:
+    """The new manifest written and fsynced under its temp name, where nothing reads it. It
+    may run while the pages it names are still being fsynced: only ``rename_manifest``, after
+    both, makes it the committed one. The rename is durable once ``sync_directory`` has run;
+    the caller must do that before overwriting any page the old manifest names (the tier does
+    it before the next step's first write)."""
     temp = directory / (MANIFEST + ".tmp")
     body = json.dumps({"format": FORMAT, "page_size": page_size, "dirs": [str(d) for d in dirs],
                        "params": {str(i): e for i, e in sorted(entries.items())}})
@@ -129,7 +130,16 @@ def publish_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
             handle.write(body)
             handle.flush()
             os.fdatasync(handle.fileno())
-        os.replace(temp, path)
+    except OSError as exc:
+        raise TierError(describe_os_error("publishing the manifest", directory / MANIFEST,
+                                          exc)) from None
+
+
+def rename_manifest(directory: Path) -> None:
+    """The staged manifest replaces the committed one, atomically."""
+    path = directory / MANIFEST
+    try:
+        os.replace(directory / (MANIFEST + ".tmp"), path)
     except OSError as exc:
         raise TierError(describe_os_error("publishing the manifest", path, exc)) from None
 

@@ -17,7 +17,7 @@ import torch
 
 from .functional import adamw_update
 from .state import is_rounding_of
-from .nvme_io import AlignedBuffer, IOPool
+from .nvme_io import AlignedBuffer, IOEngine
 from .nvme_layout import PageLayout, ParamFiles
 
 
@@ -49,7 +49,7 @@ def page_item(opt: Any, p: torch.Tensor, group: dict, views: dict, step: int,
 class PageStream:
     """The ring of page buffers and the loop that streams jobs through the kernel."""
 
-    def __init__(self, pool: IOPool) -> None:
+    def __init__(self, pool: IOEngine) -> None:
         self.pool = pool
         self.buffers: list[AlignedBuffer] = []
         self.first_write_s: Optional[float] = None
@@ -59,6 +59,7 @@ class PageStream:
         size = layout.record_bytes
         if not self.buffers or self.buffers[0].nbytes != size:
             self.buffers = [AlignedBuffer(size) for _ in range(self.pool.queue_depth + 1)]
+            self.pool.register(self.buffers)
         return self.buffers
 
     def run(self, opt: Any, jobs: list[StreamJob], backend: str,
@@ -127,7 +128,7 @@ def _fresh_page(job: StreamJob, k: int, buffer: AlignedBuffer) -> None:
             view.zero_()
 
 
-def master_is_rounding(pool: IOPool, files: ParamFiles, buffer: AlignedBuffer, generation: int,
+def master_is_rounding(pool: IOEngine, files: ParamFiles, buffer: AlignedBuffer, generation: int,
                        values: torch.Tensor) -> bool:
     """Whether p's ``values`` are exactly the rounding of its master at ``generation``: one
     read of the parameter's pages, only after p was written by anyone else."""

@@ -10,9 +10,23 @@ import pytest
 import torch
 from torch import nn
 
-from adambridge import AdamBridge, AutoTuneConfig, nvme, nvme_io
+from adambridge import AdamBridge, AutoTuneConfig, nvme, nvme_engine, nvme_io
 from adambridge.nvme import OffloadConfig
 from adambridge.nvme_layout import PageLayout, read_committed
+
+
+def _uring_unavailable() -> str:
+    """Why io_uring cannot be had here ('' when it can)."""
+    try:
+        nvme_engine.open_engine("io_uring", 2).close()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+# Both I/O engines run every test that takes ``engine``; io_uring only where the kernel has it.
+ENGINES = ["threads", pytest.param("io_uring", marks=pytest.mark.skipif(
+    bool(_uring_unavailable()), reason=f"io_uring refused here: {_uring_unavailable()}"))]
 
 # Tail sizes around the 256-element pages used below: one short page, several pages with a
 # short last one, a page-exact parameter, a single element (one fp8 block of one).
@@ -41,13 +55,14 @@ def _grads(params: list, steps: int) -> list:
     return [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(steps)]
 
 
-def _tier_args(tmp_path, dirs: int = 2, page_size: int = 256, budget: int = 300) -> dict:
+def _tier_args(tmp_path, dirs: int = 2, page_size: int = 256, budget: int = 300,
+               engine: str = "auto") -> dict:
     paths = []
     for i in range(dirs):
         (tmp_path / f"drive{i}").mkdir(parents=True, exist_ok=True)
         paths.append(tmp_path / f"drive{i}")
-    return dict(offload_dir=OffloadConfig(paths, page_size=page_size, queue_depth=2),
-                host_budget=budget)
+    return dict(offload_dir=OffloadConfig(paths, page_size=page_size, queue_depth=2,
+                                          io_engine=engine), host_budget=budget)
 
 
 def _run(config: dict, backend: str, steps: int, **tier) -> tuple[list, AdamBridge]:
@@ -73,12 +88,14 @@ def _assert_same(params_a, opt_a, params_b, opt_b) -> None:
             assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), (i, key)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c["desc"])
-def test_tier_step_equals_ram_bit_for_bit(config, backend, tmp_path):
+def test_tier_step_equals_ram_bit_for_bit(config, backend, engine, tmp_path):
     ram_params, ram_opt = _run(config, backend, 3)
-    tier_params, tier_opt = _run(config, backend, 3, **_tier_args(tmp_path))
+    tier_params, tier_opt = _run(config, backend, 3, **_tier_args(tmp_path, engine=engine))
     where = [placed.where for placed in tier_opt.placement()]
     assert where.count("ram") == 2 and where.count("file") == 5  # 1 and 17 fit 300 bytes
+    assert {placed.io for placed in tier_opt.placement() if placed.where == "file"} == {engine}
     _assert_same(ram_params, ram_opt, tier_params, tier_opt)
     # The files themselves hold the same bits (what a crash would leave behind).
     ram_state = ram_opt.state_dict()["state"]
@@ -127,11 +144,12 @@ def _train_model(config: dict, backend: str, hooks: bool, **tier) -> tuple[list,
     return list(model.parameters()), opt
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: c["desc"])
-def test_tier_async_equals_ram_sync_bit_for_bit(config, backend, tmp_path):
+def test_tier_async_equals_ram_sync_bit_for_bit(config, backend, engine, tmp_path):
     ram_params, ram_opt = _train_model(config, backend, hooks=False)
     tier_params, tier_opt = _train_model(config, backend, hooks=True,
-                                         **_tier_args(tmp_path, budget=1200))
+                                         **_tier_args(tmp_path, budget=1200, engine=engine))
     # wt and w1.weight in files; w1.bias, w2.weight and w2.bias in RAM.
     assert [p.where for p in tier_opt.placement()] == ["file", "file", "ram", "ram", "ram"]
     _assert_same(ram_params, ram_opt, tier_params, tier_opt)
@@ -229,7 +247,11 @@ def test_tier_falls_back_to_buffered_io_with_one_warning(tmp_path, monkeypatch, 
 
 
 def test_describe_direct_io_says_whether_o_direct_works(tmp_path, monkeypatch):
-    assert nvme_io.describe_direct_io(str(tmp_path)).startswith(f"O_DIRECT works in {tmp_path}")
+    said = nvme_engine.describe_tier_io(str(tmp_path))
+    assert said.startswith(f"O_DIRECT works in {tmp_path} (offload_dir=...; I/O by ")
+    engine = "a pool of pread/pwrite threads (io_uring unavailable" if _uring_unavailable() else \
+        "io_uring;"
+    assert engine in said
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -238,7 +260,7 @@ def test_describe_direct_io_says_whether_o_direct_works(tmp_path, monkeypatch):
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(nvme_io.os, "open", no_direct)
-    assert nvme_io.describe_direct_io(str(tmp_path)) == (
+    assert nvme_io.describe_direct_io(str(tmp_path), "io_uring") == (
         f"O_DIRECT refused in {tmp_path} (Invalid argument): an offload_dir there is buffered")
     assert os.listdir(tmp_path) == []
 
@@ -263,6 +285,8 @@ ARG_ERRORS = [
          match=r"Invalid page_size: 100 \(expected a positive multiple of 128"),
     dict(desc="queue depth of one", kwargs=dict(queue_depth=1),
          match=r"Invalid queue_depth: 1 \(expected an int >= 2"),
+    dict(desc="an unknown I/O engine", kwargs=dict(io_engine="libaio"),
+         match=r"Invalid io_engine: 'libaio' \(expected one of auto, io_uring, threads\)"),
     dict(desc="autotune precision step-down", kwargs=dict(offload_dir="{d}", autotune=True),
          match=r"offload_dir cannot be combined with autotune precision step-down"),
 ]
@@ -273,7 +297,7 @@ def test_tier_arguments_refused_in_one_line(case, tmp_path):
     kwargs = {k: (v.format(d=tmp_path) if isinstance(v, str) else
                   [x.format(d=tmp_path) for x in v] if isinstance(v, list) else v)
               for k, v in case["kwargs"].items()}
-    if "page_size" in kwargs or "queue_depth" in kwargs:
+    if {"page_size", "queue_depth", "io_engine"} & kwargs.keys():
         kwargs = dict(offload_dir=OffloadConfig([tmp_path], **kwargs))
     with pytest.raises(ValueError, match=case["match"]) as info:
         AdamBridge([nn.Parameter(torch.randn(3))], **kwargs)
@@ -293,3 +317,119 @@ def test_tier_directory_is_locked_to_one_optimizer(tmp_path):
     gc.collect()  # the lock goes with the optimizer
     AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path,
                autotune=AutoTuneConfig(tune_precision=False))  # what the autotune error suggests
+
+
+class _RefusingLibrary:
+    """The native library as seen where io_uring_setup fails with ``errno`` (a seccomp
+    filter gives EPERM, an old kernel ENOSYS): everything else is the real library."""
+
+    def __init__(self, lib, err: int) -> None:
+        self._lib, self._err = lib, err
+
+    def ab_uring_open(self, entries, ring) -> int:
+        return -self._err
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("err, why", [(errno.EPERM, r"io_uring_setup refused \(EPERM: kernel"
+                                                    r"\.io_uring_disabled or a seccomp filter"),
+                                      (errno.ENOSYS, r"io_uring_setup is not supported by this "
+                                                     r"kernel or this build")])
+def test_auto_falls_back_to_threads_where_io_uring_is_refused(err, why, tmp_path, monkeypatch):
+    real = nvme_engine.uring_library()[0]
+    monkeypatch.setattr(nvme_engine, "uring_library", lambda: (_RefusingLibrary(real, err), ""))
+    ram_params, ram_opt = _run(CONFIGS[1], "torch", 2)
+    params, opt = _run(CONFIGS[1], "torch", 2, **_tier_args(tmp_path / "auto"))
+    assert {p.io for p in opt.placement() if p.where == "file"} == {"threads"}
+    assert opt.nvme_tier.io_engine.startswith("a pool of pread/pwrite threads (io_uring "
+                                              "unavailable: io_uring_setup")
+    _assert_same(ram_params, ram_opt, params, opt)
+    with pytest.raises(ValueError, match=r"io_engine='io_uring' is not available here: " + why +
+                                         r".*; pass io_engine='threads'") as info:
+        _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path / "forced", engine="io_uring"))
+    assert "\n" not in str(info.value)
+    assert "io_uring unavailable" in nvme_engine.describe_tier_io(str(tmp_path))
+
+
+def test_auto_falls_back_to_threads_without_the_native_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAMBRIDGE_DISABLE_NATIVE", "1")
+    _, opt = _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path))
+    assert opt.nvme_tier.io_engine == ("a pool of pread/pwrite threads (io_uring unavailable: "
+                                       "the native library is disabled by "
+                                       "ADAMBRIDGE_DISABLE_NATIVE)")
+
+
+@pytest.mark.parametrize("value, expected", [("threads", "threads"), ("", None),
+                                             ("auto", None)])
+def test_environment_chooses_the_engine_under_auto(value, expected, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAMBRIDGE_NVME_IO", value)
+    _, opt = _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path))
+    default = "threads" if _uring_unavailable() else "io_uring"
+    assert opt.nvme_tier.pool.name == (expected or default)
+    # An explicit io_engine is the user's own choice: the environment does not override it.
+    _, forced = _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path / "x", engine="threads"))
+    assert forced.nvme_tier.pool.name == "threads"
+
+
+def test_environment_engine_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAMBRIDGE_NVME_IO", "uring")
+    with pytest.raises(ValueError, match=r"Invalid ADAMBRIDGE_NVME_IO: 'uring' \(expected one "
+                                         r"of auto, io_uring, threads\)"):
+        _run(CONFIGS[0], "torch", 1, **_tier_args(tmp_path))
+
+
+class _NoPinningLibrary(_RefusingLibrary):
+    """The native library where io_uring_register refuses to pin buffers (RLIMIT_MEMLOCK)."""
+
+    def ab_uring_open(self, entries, ring) -> int:
+        return self._lib.ab_uring_open(entries, ring)
+
+    def ab_uring_register_buffers(self, ring, addrs, lens, count) -> int:
+        return -errno.ENOMEM
+
+
+@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+@pytest.mark.parametrize("pinned", [True, False], ids=["registered", "memlock refused"])
+def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monkeypatch):
+    if not pinned:
+        real = nvme_engine.uring_library()[0]
+        monkeypatch.setattr(nvme_engine, "uring_library",
+                            lambda: (_NoPinningLibrary(real, 0), ""))
+    ram_params, ram_opt = _run(CONFIGS[2], "torch", 3)
+    params, opt = _run(CONFIGS[2], "torch", 3, **_tier_args(tmp_path, engine="io_uring"))
+    _assert_same(ram_params, ram_opt, params, opt)
+    engine = opt.nvme_tier.pool
+    ring = {b.tensor.data_ptr() for b in opt.nvme_tier.stream.buffers}
+    if pinned:  # the page ring is what the kernel pinned
+        assert set(engine._registered) == ring and opt.nvme_tier.io_engine == "io_uring"
+    else:
+        assert engine._registered == {}
+        assert opt.nvme_tier.io_engine == ("io_uring (buffers not registered: Cannot allocate "
+                                           "memory)")
+
+
+@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+def test_io_uring_is_refused_in_a_forked_child(tmp_path):
+    _, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, engine="io_uring"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's ring: it must not submit to it
+        message = b"no error"
+        try:
+            opt.nvme_tier.pool.read(None, opt.nvme_tier.stream.buffers[0], 0, 4096)
+        except nvme_io.TierError as exc:
+            message = str(exc).encode()
+        os.write(write, message)
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    said = os.read(read, 4096).decode()
+    assert said.startswith("NVMe tier: this optimizer's io_uring belongs to the process that "
+                           "made it"), said
+    # The parent's ring is untouched: its next step still streams.
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()

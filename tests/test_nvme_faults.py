@@ -1,6 +1,7 @@
 """NVMe tier faults: each raises one line at a defined point and leaves the previous step intact.
 
-Injected in the I/O layer (nvme_io._preadv/_pwritev: EIO, ENOSPC, short writes), made real
+Injected in the I/O layer of both engines (the thread pool's nvme_io._preadv/_pwritev, the
+io_uring engine's nvme_uring._completed: EIO, ENOSPC, short transfers), made real
 where this machine allows (a 1 MiB tmpfs that fills up, a read-only mount; both need root),
 and done to the files from outside (truncation, a removed directory, a SIGKILL mid-step).
 """
@@ -23,10 +24,11 @@ import pytest
 import torch
 from torch import nn
 
-from adambridge import AdamBridge, nvme_io
+from adambridge import AdamBridge, nvme_io, nvme_uring
 from adambridge.nvme import OffloadConfig
 from adambridge.nvme_io import TierError
 from adambridge.nvme_layout import read_committed
+from test_nvme import ENGINES
 
 SIZES = (17, 1000, 4097)   # 17 stays in RAM under the budget below, the others go to files
 BUDGET = 200
@@ -43,9 +45,10 @@ def _grads(params: list, step: int) -> list:
     return [torch.randn(p.shape, generator=gen) for p in params]
 
 
-def _optimizer(params: list, dirs: list, budget=BUDGET) -> AdamBridge:
+def _optimizer(params: list, dirs: list, budget=BUDGET, engine: str = "auto") -> AdamBridge:
     return AdamBridge(params, lr=1e-2, precision="bf16", backend="torch", host_budget=budget,
-                      offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2))
+                      offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2,
+                                                io_engine=engine))
 
 
 def _step(opt: AdamBridge, params: list, step: int) -> None:
@@ -106,6 +109,30 @@ def _failing(real, after: int, error):
     return call
 
 
+def _failing_completion(kind: str, after: int, error):
+    """The io_uring twin of _failing: the (after+1)-th and later completions of ``kind``
+    ('reading' or 'writing') report ``error`` (-errno, or a short byte count)."""
+    real, calls = nvme_uring._completed, [0]
+
+    def completed(what, fd, offset, result):
+        if what != kind:
+            return real(what, fd, offset, result)
+        calls[0] += 1
+        if calls[0] > after:
+            return error if isinstance(error, int) else -error.errno
+        return real(what, fd, offset, result)
+    return completed
+
+
+def _inject(monkeypatch, engine: str, call: str, after: int, error) -> None:
+    """Make the engine's ``call`` ('_preadv' or '_pwritev') fail after ``after`` good ones."""
+    if engine == "threads":
+        monkeypatch.setattr(nvme_io, call, _failing(getattr(nvme_io, call), after, error))
+    else:
+        kind = {"_preadv": "reading", "_pwritev": "writing"}[call]
+        monkeypatch.setattr(nvme_uring, "_completed", _failing_completion(kind, after, error))
+
+
 INJECTED = [
     dict(desc="EIO writing a page", call="_pwritev", error=OSError(errno.EIO, "Input/output error"),
          match=r"writing .*adambridge-p\d\.bin failed \(Input/output error\); check the drive"),
@@ -121,16 +148,17 @@ INJECTED = [
 ]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", INJECTED, ids=lambda c: c["desc"])
-def test_tier_io_fault_raises_and_keeps_previous_step(case, tmp_path, monkeypatch):
+def test_tier_io_fault_raises_and_keeps_previous_step(case, engine, tmp_path, monkeypatch):
     params = _params()
     dirs = _drives(tmp_path)
-    opt = _optimizer(params, dirs)
+    opt = _optimizer(params, dirs, engine=engine)
+    assert opt.nvme_tier.pool.name == engine
     for step in (1, 2):
         _step(opt, params, step)
     before = _snapshot(opt, params)
-    monkeypatch.setattr(nvme_io, case["call"], _failing(getattr(nvme_io, case["call"]), 3,
-                                                        case["error"]))
+    _inject(monkeypatch, engine, case["call"], 3, case["error"])
     with pytest.raises(TierError, match=case["match"]) as info:
         _step(opt, params, 3)
     assert "\n" not in str(info.value)
@@ -144,10 +172,11 @@ def test_tier_io_fault_raises_and_keeps_previous_step(case, tmp_path, monkeypatc
     _assert_committed_equals(dirs[0], ram_opt, 3)
 
 
-def test_tier_truncated_file_is_named_before_anything_changes(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tier_truncated_file_is_named_before_anything_changes(engine, tmp_path):
     params = _params()
     dirs = _drives(tmp_path)
-    opt = _optimizer(params, dirs)
+    opt = _optimizer(params, dirs, engine=engine)
     _step(opt, params, 1)
     values = [p.detach().clone() for p in params]
     os.truncate(dirs[1] / "adambridge-p2.bin", 100)
@@ -214,7 +243,7 @@ def test_tier_read_only_directory_is_refused_at_construction(tmp_path):
 CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
-    from adambridge import nvme_io, nvme_layout
+    from adambridge import nvme_io, nvme_layout, nvme_uring
     import test_nvme_faults as t
     params = t._params()
     opt = t._optimizer(params, [{d0!r}, {d1!r}])
@@ -222,7 +251,7 @@ CRASH_SCRIPT = textwrap.dedent("""
         t._step(opt, params, step)
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    if {where!r} == "pages":
+    if {where!r} == "pages" and opt.nvme_tier.pool.name == "threads":
         real = nvme_io._pwritev
         calls = [0]
         def write(fd, buffers, offset):
@@ -231,37 +260,58 @@ CRASH_SCRIPT = textwrap.dedent("""
                 die()
             return real(fd, buffers, offset)
         nvme_io._pwritev = write
+    elif {where!r} == "pages":  # io_uring: die as the fourth write completes
+        real = nvme_uring._completed
+        calls = [0]
+        def completed(kind, fd, offset, result):
+            calls[0] += kind == "writing"
+            if calls[0] == 4:
+                die()
+            return real(kind, fd, offset, result)
+        nvme_uring._completed = completed
     else:
         nvme_layout.os.replace = die  # the new manifest is written and fsynced, not renamed
     t._step(opt, params, 3)
 """)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("where", ["pages", "manifest"])
-def test_tier_kill_mid_step_leaves_previous_step_readable(where, tmp_path):
+def test_tier_kill_mid_step_leaves_previous_step_readable(where, engine, tmp_path):
     dirs = _drives(tmp_path)
     script = CRASH_SCRIPT.format(tests=str(REPO / "tests"), d0=str(dirs[0]), d1=str(dirs[1]),
                                  where=where)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), ADAMBRIDGE_NVME_IO=engine)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     _assert_committed_equals(dirs[0], _ram_run(2)[1], 2)
 
 
-def test_tier_state_dict_waits_for_in_flight_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tier_state_dict_waits_for_in_flight_writes(engine, tmp_path, monkeypatch):
     params = _params()
     dirs = _drives(tmp_path)
-    opt = _optimizer(params, dirs, budget=0)
+    opt = _optimizer(params, dirs, budget=0, engine=engine)
     _step(opt, params, 1)
-    started, real = threading.Event(), nvme_io._pwritev
+    started = threading.Event()
+    real_write, real_completed = nvme_io._pwritev, nvme_uring._completed
 
     def slow_write(fd, buffers, offset):
         started.set()
         time.sleep(0.01)  # widen the window in which a checkpoint could see half a step
-        return real(fd, buffers, offset)
+        return real_write(fd, buffers, offset)
 
-    monkeypatch.setattr(nvme_io, "_pwritev", slow_write)
+    def slow_completion(kind, fd, offset, result):
+        if kind == "writing":
+            started.set()
+            time.sleep(0.01)
+        return real_completed(kind, fd, offset, result)
+
+    if engine == "threads":
+        monkeypatch.setattr(nvme_io, "_pwritev", slow_write)
+    else:
+        monkeypatch.setattr(nvme_uring, "_completed", slow_completion)
     stepping = threading.Thread(target=_step, args=(opt, params, 2))
     stepping.start()
     assert started.wait(30)
@@ -274,11 +324,14 @@ def test_tier_state_dict_waits_for_in_flight_writes(tmp_path, monkeypatch):
             assert torch.equal(saved[i][key].float(), ram_state[i][key].reshape(-1).float())
 
 
-def test_tier_async_fault_raises_at_step_sync_and_keeps_previous_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tier_async_fault_raises_at_step_sync_and_keeps_previous_step(engine, tmp_path,
+                                                                      monkeypatch):
     params = _params()
     dirs = _drives(tmp_path)
     opt = AdamBridge(params, lr=1e-2, precision="bf16", backend="torch", host_budget=BUDGET,
-                     offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2),
+                     offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2,
+                                               io_engine=engine),
                      chunk_size=256, small_param_threshold=64)
     opt.attach_hooks(nn.ParameterList(params))
 
@@ -289,8 +342,7 @@ def test_tier_async_fault_raises_at_step_sync_and_keeps_previous_step(tmp_path, 
         backward(step)
         opt.step_sync()
     values = [p.detach().clone() for p in params]
-    monkeypatch.setattr(nvme_io, "_pwritev", _failing(nvme_io._pwritev, 3,
-                                                      OSError(errno.EIO, "Input/output error")))
+    _inject(monkeypatch, engine, "_pwritev", 3, OSError(errno.EIO, "Input/output error"))
     backward(3)
     with pytest.raises(RuntimeError, match=r"the update worker for cpu failed \(TierError: NVMe "
                                            r"tier: writing .*adambridge-p\d\.bin failed \(Input/"

@@ -305,13 +305,125 @@ def ddp_async(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- shard_state (zero.py)
+
+ZERO_CASES = ((torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+              (torch.float32, "fp8"))
+
+
+def _sharded(model, precision: str = "bf16", **kwargs):
+    from adambridge import AdamBridge
+    return AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision=precision, seed=7,
+                      shard_state=True, **kwargs)
+
+
+def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """The same full gradients on every rank (what DDP's all-reduce leaves): the result, the
+    whole state_dict and the host bytes of this rank's ranges."""
+    result = {}
+    for dtype, precision in ZERO_CASES:
+        model = make_model(dtype)
+        opt = run_given_grads(model, precision, _same_grad, opt=_sharded(model, precision))
+        result[dtype, precision] = [p.detach().clone() for p in model.parameters()]
+        result[dtype, precision, "state"] = opt.state_dict()["state"]
+        result[dtype, precision, "bytes"] = opt.host_state_bytes()
+    return result
+
+
+def _same_grad(p, g):
+    return g.to(p.dtype)
+
+
+def zero_ddp(rank: int, world: int, out_dir: str) -> dict:
+    """DDP, real backward, shard_state=True, both backends (compared with DDP + AdamW)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result = {}
+    for backend in ("torch", "auto"):
+        model = DDP(make_model())
+        train(model, _sharded(model, "fp32", backend=backend), rank)
+        result[backend] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_save(rank: int, world: int, out_dir: str) -> dict:
+    """2 steps, a DCP checkpoint and a whole one (torch.save), then 2 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    result = {}
+    for dtype in DCP_DTYPES:
+        model = make_model(dtype)
+        opt = run_given_grads(model, "bf16", _same_grad, steps=range(2),
+                              opt=_sharded(model))
+        dcp.save({"model": sd.get_model_state_dict(model),
+                  "optim": sd.get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=_ckpt(out_dir, f"zero-dcp-{dtype}"))
+        whole = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if rank == 0:
+            torch.save(whole, _ckpt(out_dir, f"zero-full-{dtype}.pt"))
+        run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+        result[dtype] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_load(rank: int, world: int, out_dir: str, sharded: bool = True) -> dict:
+    """Resume a zero_save checkpoint (of another number of ranks), DCP's and the whole one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    result = {}
+    for dtype in DCP_DTYPES:
+        for source in ("dcp", "full"):
+            model = make_model(dtype)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16",
+                             seed=3, shard_state=sharded)
+            if source == "dcp":
+                loaded = {"model": sd.get_model_state_dict(model),
+                          "optim": sd.get_optimizer_state_dict(model, opt)}
+                dcp.load(loaded, checkpoint_id=_ckpt(out_dir, f"zero-dcp-{dtype}"))
+                sd.set_model_state_dict(model, loaded["model"])
+                sd.set_optimizer_state_dict(model, opt, loaded["optim"])
+            else:
+                loaded = torch.load(_ckpt(out_dir, f"zero-full-{dtype}.pt"), weights_only=False)
+                model.load_state_dict(loaded["model"])
+                opt.load_state_dict(loaded["optim"])
+            assert opt.seed == 7, opt.seed  # the checkpoint's seed, not the constructor's
+            run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+            result[dtype, source] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_refusals(rank: int, world: int, out_dir: str) -> dict:
+    errors = {}
+    model = make_model()
+    errors["async"] = _error(lambda: _sharded(model).attach_hooks(model))
+    fsdp2 = shard(make_model())
+    errors["fsdp2"] = _error(lambda: _step_once(fsdp2, _sharded(fsdp2)))
+    model = make_model()
+    opt = _sharded(model)
+    model[0].weight.grad = torch.ones_like(model[0].weight) if rank == 0 else None
+    errors["grads_differ"] = _error(opt.step)
+    return errors
+
+
+def _step_once(model, opt):
+    model(batch(0, 0)).square().mean().backward()
+    opt.step()
+
+
+def zero_four(rank: int, world: int, out_dir: str) -> dict:
+    """On 4 ranks: the given-gradient run, and the resume of the 2-rank checkpoint."""
+    return {"zero_given_grads": zero_given_grads(rank, world, out_dir),
+            "zero_load": zero_load(rank, world, out_dir)}
+
+
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
             for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
-                      ddp_async)}
+                      ddp_async, zero_given_grads, zero_ddp, zero_save, zero_refusals)}
 
 
 SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
-                                     dcp_save, dcp_load, hsdp_given_grads)}
+                                     dcp_save, dcp_load, hsdp_given_grads, zero_given_grads,
+                                     zero_ddp, zero_save, zero_refusals, zero_four)}

@@ -1,4 +1,4 @@
-"""torch.distributed on CPU with gloo, 2 spawned ranks: FSDP2 shards, DDP, the refusals.
+"""torch.distributed on CPU with gloo, spawned ranks: FSDP2 shards, DDP, shard_state, refusals.
 
 Each test launches one scenario of tests/_distributed_workers.py and compares what the
 ranks return with torch.optim.AdamW under the same wrapper and with one process.
@@ -138,3 +138,80 @@ def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     assert run.returncode == 0, run.stderr[-3000:]
     if "FSDP2" in after:
         assert (tmp_path / "checkpoint" / ".metadata").exists()
+
+
+# --------------------------------------------------------------------------- shard_state
+
+
+@pytest.fixture(scope="module")
+def four_ranks_zero(two_ranks, tmp_path_factory):
+    """zero_four on 4 ranks; it resumes the checkpoints two_ranks' zero_save wrote beside."""
+    return workers.launch("zero_four", 4, tmp_path_factory.mktemp("zero_four"))
+
+
+def _zero_given(two_ranks, four_ranks_zero, world: int) -> list:
+    if world == 2:
+        return _scenario(two_ranks, "zero_given_grads")
+    return [result["zero_given_grads"] for result in four_ranks_zero]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_state_equals_one_process_bit_for_bit(two_ranks, four_ranks_zero, world):
+    from adambridge.state import HOST_BYTES_PER_PARAM
+    ranks = _zero_given(two_ranks, four_ranks_zero, world)
+    for dtype, precision in workers.ZERO_CASES:
+        model = workers.make_model(dtype)
+        opt = workers.run_given_grads(model, precision, workers._same_grad)
+        alone = [p.detach().clone() for p in model.parameters()]
+        whole = opt.state_dict()["state"]
+        for result in ranks:
+            _identical(result[dtype, precision], alone)
+            assert result[dtype, precision, "state"].keys() == whole.keys()
+            for index, entry in whole.items():
+                _identical(list(result[dtype, precision, "state"][index].values()),
+                           list(entry.values()))
+        # Host state: one copy between the ranks, each about 1/N (a block per parameter).
+        per_rank = [r[dtype, precision, "bytes"] for r in ranks]
+        slack = HOST_BYTES_PER_PARAM[precision] * 128 * len(alone)
+        assert sum(per_rank) == opt.host_state_bytes()
+        assert max(per_rank) <= opt.host_state_bytes() / world + slack
+
+
+def test_shard_state_under_ddp_equals_unsharded_and_adamw(two_ranks):
+    sharded, plain = _scenario(two_ranks, "zero_ddp"), _scenario(two_ranks, "ddp_sync")
+    for result, reference in zip(sharded, plain):
+        for backend in ("torch", "auto"):
+            _identical(result[backend], reference[backend])
+            _close(result[backend], reference["adamw"])
+    for backend in ("torch", "auto"):
+        _identical(sharded[0][backend], sharded[1][backend])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_shard_state_checkpoint_of_2_ranks_resumes_on_4_and_on_one_process(
+        two_ranks, four_ranks_zero, tmp_path_factory):
+    uninterrupted = _scenario(two_ranks, "zero_save")[0]
+    resumed = [result["zero_load"] for result in four_ranks_zero]
+    # One process, unsharded, from the same files (DCP loads without a process group).
+    saved_beside = str(tmp_path_factory.getbasetemp() / "one_process")
+    resumed.append(workers.zero_load(0, 1, saved_beside, sharded=False))
+    for result in resumed:
+        for dtype in workers.DCP_DTYPES:
+            for source in ("dcp", "full"):
+                _identical(result[dtype, source], uninterrupted[dtype])
+
+
+def test_shard_state_refusals_are_one_line(two_ranks):
+    from adambridge import AdamBridge
+    errors = _scenario(two_ranks, "zero_refusals")[0]
+    errors["no_process_group"] = workers._error(
+        lambda: AdamBridge(workers.make_model().parameters(), shard_state=True))
+    expected = {
+        "async": "RuntimeError: attach_hooks() with shard_state=True is not supported",
+        "fsdp2": "ValueError: shard_state=True with FSDP2 (DTensor) parameters",
+        "grads_differ": "ValueError: shard_state=True: ranks disagree on which parameters",
+        "no_process_group": "ValueError: shard_state needs torch.distributed initialized",
+    }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]

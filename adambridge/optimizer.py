@@ -13,7 +13,7 @@ import torch
 
 from . import _validation as check
 from . import checkpoint, distributed, nvme, state as host_state, step_facts, sync_transfer
-from . import zero
+from . import rank_pool, zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -186,6 +186,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return "torch"
         if self.num_threads is not None:
             loader.set_num_threads(self.num_threads)
+        rank_pool.configure(self)  # under torchrun: this rank's node or share of the CPUs
         return "native"
 
     # ------------------------------------------------------------------ step

@@ -6,8 +6,8 @@ memory). The plan, made once per process when the backend is resolved and again 
 ``attach_hooks`` for its workers:
 
 - a rank whose parameters are on a GPU takes the CPUs of that GPU's NUMA node (the device
-  of its parameters, which under torchrun is ``cuda:LOCAL_RANK``), with the one-node rule of
-  cuda_policy.pool_plan;
+  of its parameters, which under torchrun is ``cuda:LOCAL_RANK``), split with the ranks of
+  the other visible GPUs on that node, with the one-node rule of cuda_policy.pool_plan;
 - a CPU-only rank takes its share of the host: ranks spread over the NUMA nodes, and those
   of one node split its CPUs (topology.cpus_for_local_rank);
 - a process whose CPUs the launcher has already restricted (``torchrun --numa-binding``,
@@ -54,6 +54,22 @@ def host_rank_cpus(numa_aware: bool, env: Mapping[str, str] = os.environ, root: 
     return topology.cpus_for_local_rank(rank, world, root, allowed)
 
 
+def gpu_rank_cpus(index: int, root: str = "/") -> tuple[int, ...]:
+    """The CPUs of CUDA device ``index``'s node, split among the visible devices on that
+    node (one rank per GPU: the ranks sharing a node take disjoint parts of it)."""
+    cpus = topology.cpus_for_cuda_device(index, root)
+    if not cpus:
+        return ()
+    node = _node_of_cuda(index, root)
+    peers = [d for d in range(torch.cuda.device_count()) if _node_of_cuda(d, root) == node]
+    return topology.share_of(cpus, len(peers), peers.index(index)) if index in peers else cpus
+
+
+def _node_of_cuda(index: int, root: str) -> int:
+    bus_id = topology.cuda_pci_bus_id(index)
+    return topology.pci_numa_node(bus_id, root) if bus_id else -1
+
+
 def plan(device: torch.device, numa_aware: bool, env: Mapping[str, str] = os.environ,
          root: str = "/", allowed: Optional[tuple[int, ...]] = None
          ) -> tuple[tuple[int, ...], Optional[int]]:
@@ -63,7 +79,7 @@ def plan(device: torch.device, numa_aware: bool, env: Mapping[str, str] = os.env
     if not numa_aware or world <= 1:
         return (), None
     if device.type == "cuda":
-        cpus = topology.cpus_for_cuda_device(device.index or 0, root)
+        cpus = gpu_rank_cpus(device.index or 0, root)
         return cuda_policy.pool_plan(cpus, [device], root) if cpus else ((), None)
     cpus = host_rank_cpus(numa_aware, env, root, allowed)
     return cpus, (len(cpus) or None)

@@ -183,11 +183,17 @@ def cpus_for_local_rank(local_rank: int, local_world: int, root: str = "/",
     nodes = [cpus for cpus in nodes if cpus] or ([tuple(sorted(keep))] if keep else [])
     if not nodes or not 0 <= local_rank < local_world:
         return ()
-    cpus = nodes[local_rank % len(nodes)]
     mates = len(range(local_rank % len(nodes), local_world, len(nodes)))
-    position = local_rank // len(nodes)
-    if mates > len(cpus):
+    return share_of(nodes[local_rank % len(nodes)], mates, local_rank // len(nodes))
+
+
+def share_of(cpus: tuple[int, ...], parts: int, position: int) -> tuple[int, ...]:
+    """Part ``position`` of ``cpus`` cut into ``parts`` contiguous runs whose sizes differ by
+    at most one; one CPU, shared round-robin, where there are fewer CPUs than parts."""
+    if not cpus or parts <= 0:
+        return ()
+    if parts > len(cpus):
         return (cpus[position % len(cpus)],)
-    base, extra = divmod(len(cpus), mates)
+    base, extra = divmod(len(cpus), parts)
     start = position * base + min(position, extra)
     return cpus[start:start + base + (position < extra)]

@@ -61,13 +61,37 @@ def test_plan_of_a_cpu_rank_pins_the_pool_to_its_share(two_nodes):
     assert rank_pool.plan(cpu, True, _env(0, 4), two_nodes, bound) == (bound, 4)
 
 
-def test_plan_of_a_gpu_rank_follows_its_device(two_nodes, monkeypatch):
-    seen = []
-    monkeypatch.setattr(topology, "cuda_pci_bus_id",
-                        lambda index: seen.append(index) or "0000:3b:00.0")
+BUSES = ("0000:1a:00.0", "0000:1b:00.0", "0000:3b:00.0", "0000:3c:00.0")  # nodes 0 0 1 1
+
+
+def _four_gpus(root, monkeypatch, nodes=(0, 0, 1, 1)) -> list:
+    for bus, node in zip(BUSES, nodes):
+        _write(root, f"sys/bus/pci/devices/{bus}/numa_node", f"{node}\n")
+    asked = []
+    monkeypatch.setattr(topology, "cuda_pci_bus_id", lambda i: asked.append(i) or BUSES[i])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(topology, "allowed_cpus", lambda: EIGHT)
-    cpus, threads = rank_pool.plan(torch.device("cuda", 3), True, _env(3, 4), two_nodes)
-    assert (cpus, threads, seen) == ((4, 5, 6, 7), None, [3])  # cuda:3's node, not rank 3's
+    return asked
+
+
+def test_plan_of_a_gpu_rank_follows_its_device(tmp_path, monkeypatch):
+    _write(tmp_path, "sys/devices/system/node/node0/cpulist", "0-3\n")
+    _write(tmp_path, "sys/devices/system/node/node1/cpulist", "4-7\n")
+    asked = _four_gpus(tmp_path, monkeypatch)
+    # cuda:3 is on node 1 with cuda:2: the two ranks split node 1, pinned.
+    assert rank_pool.plan(torch.device("cuda", 3), True, _env(0, 4), str(tmp_path)) == \
+        ((6, 7), None)
+    assert rank_pool.plan(torch.device("cuda", 2), True, _env(0, 4), str(tmp_path)) == \
+        ((4, 5), None)
+    assert 3 in asked  # the device of the parameters decides, not LOCAL_RANK (0 here)
+
+
+def test_plan_of_gpu_ranks_on_one_node_splits_it_unpinned(tmp_path, monkeypatch):
+    _write(tmp_path, "sys/devices/system/node/node0/cpulist", "0-7\n")
+    _four_gpus(tmp_path, monkeypatch, nodes=(0, 0, 0, 0))
+    # Two CPUs each; one node: unpinned, one thread short (cuda_policy.pool_plan's rule).
+    assert rank_pool.plan(torch.device("cuda", 1), True, _env(1, 4), str(tmp_path)) == \
+        ((), 1)
 
 
 def test_worker_of_a_cpu_rank_and_the_pool_use_the_rank_share(monkeypatch):

@@ -124,7 +124,8 @@ def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
         _identical(ranks[0][key], ranks[1][key])
 
 
-@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous"])
+@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous",
+                                   "**DDP, sharded host state**"])
 def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     script = tmp_path / "train.py"
     script.write_text(example(after), encoding="utf-8")
@@ -138,6 +139,9 @@ def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     assert run.returncode == 0, run.stderr[-3000:]
     if "FSDP2" in after:
         assert (tmp_path / "checkpoint" / ".metadata").exists()
+    if "sharded" in after:  # the gathered whole state, in the parameters' shapes
+        saved = torch.load(tmp_path / "optimizer.pt", weights_only=False)
+        assert saved["state"][0]["exp_avg"].shape == (256, 256)
 
 
 # --------------------------------------------------------------------------- shard_state

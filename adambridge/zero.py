@@ -120,7 +120,7 @@ def exchange(g: _Group, sizes: list, local: list, device: torch.device) -> list:
     """
     layout = [_offsets(s) for s in sizes]
     slot = max(max(total for _, total in layout), _ALIGN)
-    send = torch.zeros(slot, dtype=torch.uint8)
+    send = torch.empty(slot, dtype=torch.uint8)  # the padding is gathered, never read
     for tensor, offset in zip(local, layout[g.rank][0]):
         flat = tensor.detach().reshape(-1).to("cpu")
         send[offset:offset + flat.numel() * flat.element_size()].copy_(flat.view(torch.uint8))
@@ -242,6 +242,9 @@ def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
     """Every rank's new values of its ranges into every rank's parameters."""
     if not params:
         return
+    if g.world == 1 and all(p.is_cpu for p in params):
+        _record_written(opt, params, mine)  # the kernel wrote every range in place
+        return
     sizes = [[(b - a, p.dtype) for p in params for a, b in [g.range(opt, p, r)] if b > a]
              for r in range(g.world)]
     local = [_new_values(opt, p, *mine[p]) for p in params if p in mine]
@@ -253,6 +256,10 @@ def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
                 continue  # the kernel wrote this rank's range of p in place
             a, b = g.range(opt, p, rank)
             p.detach().view(-1)[a:b].copy_(piece)
+    _record_written(opt, params, mine)
+
+
+def _record_written(opt: Any, params: list, mine: dict) -> None:
     cpu = [p for p in params if p.is_cpu and p in mine]
     if cpu:
         torch.autograd.graph.increment_version(cpu)  # the kernel wrote through them

@@ -13,7 +13,8 @@ ddp: every rank wraps its own copy of the MLP in DDP, one copy per variant: Adam
 and without ``shard_state=True`` (fp32 and bf16 moments). Each step runs backward on every
 copy, then times each variant's ``opt.step()`` (the sharded ones include their all-gather),
 variants interleaved in a rotating order; the ratio is each variant's median against
-unsharded AdamBridge of the same precision in the same run.
+unsharded AdamBridge of the same precision in the same run. backward+step is the whole
+iteration (backward with DDP's all-reduce, then the step), with its ratio likewise.
 
 Host state per rank is what the optimizer holds beyond the parameters (an fp32 master that
 is the parameter's own storage costs nothing extra).
@@ -91,23 +92,28 @@ def _ddp_rows(args, x: torch.Tensor) -> dict:
     models = {name: DDP(_plain_model(args.layers, args.width)) for name in variants}
     opts = {name: make(list(models[name].parameters())) for name, (make, _) in variants.items()}
     times: dict = {name: [] for name in variants}
+    whole: dict = {name: [] for name in variants}
     names = list(variants)
     for step in range(args.steps + 1):
         order = names[step % len(names):] + names[:step % len(names)]  # rotate: A B, B A ...
         for name in order:
-            models[name](x).square().mean().backward()
-        for name in order:
             dist.barrier()
             began = time.perf_counter()
+            models[name](x).square().mean().backward()  # with DDP's all-reduce
+            stepped = time.perf_counter()
             opts[name].step()
-            times[name].append(time.perf_counter() - began)
+            ended = time.perf_counter()
+            times[name].append(ended - stepped)
+            whole[name].append(ended - began)
             opts[name].zero_grad()
     rows = {}
     for name, (_, base) in variants.items():
         median = statistics.median(times[name][1:])
         ratio = median / statistics.median(times[base][1:])
+        iteration = statistics.median(whole[name][1:])
         rows["ddp " + name] = (_host_bytes(opts[name], list(models[name].parameters())),
-                               median, ratio)
+                               median, ratio, iteration,
+                               iteration / statistics.median(whole[base][1:]))
     return rows
 
 
@@ -129,7 +135,8 @@ def _fsdp2_rows(args, x: torch.Tensor) -> dict:
             opt.step()
             times.append(time.perf_counter() - began)
             opt.zero_grad()
-        rows["fsdp2 " + name] = (_host_bytes(opt, params), statistics.median(times[1:]), None)
+        rows["fsdp2 " + name] = (_host_bytes(opt, params), statistics.median(times[1:]), None,
+                                 None, None)
     return rows
 
 
@@ -160,7 +167,7 @@ def main() -> None:
     print(f"{numel / 1e6:.1f}M fp32 parameters, gloo, {os.cpu_count()} CPUs, torch "
           f"{torch.__version__}, load average {os.getloadavg()[0]:.2f}")
     print(f"{'ranks':>5}  {'wrapper and optimizer':<34}{'host MB/rank':>13}"
-          f"{'step ms (max rank)':>20}{'ratio':>8}")
+          f"{'step ms (max rank)':>20}{'ratio':>8}{'backward+step ms':>18}{'ratio':>8}")
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as out:
             mp.start_processes(_rank, args=(world, _port(), args, out), nprocs=world,
@@ -169,9 +176,12 @@ def main() -> None:
         for name in ranks[0]:
             host = max(r[name][0] for r in ranks) / 1e6
             step = max(r[name][1] for r in ranks) * 1e3
-            ratios = [r[name][2] for r in ranks if r[name][2] is not None]
-            ratio = f"{max(ratios):>8.2f}" if ratios else f"{'':>8}"
-            print(f"{world:>5}  {name:<34}{host:>13.1f}{step:>20.1f}{ratio}")
+            extra = ""
+            if ranks[0][name][2] is not None:  # ddp: the ratios and the whole iteration
+                extra = (f"{max(r[name][2] for r in ranks):>8.2f}"
+                         f"{max(r[name][3] for r in ranks) * 1e3:>18.1f}"
+                         f"{max(r[name][4] for r in ranks):>8.2f}")
+            print(f"{world:>5}  {name:<34}{host:>13.1f}{step:>20.1f}{extra}")
         print(f"       load average {os.getloadavg()[0]:.2f}")
 
 

@@ -311,10 +311,10 @@ ZERO_CASES = ((torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16,
               (torch.float32, "fp8"))
 
 
-def _sharded(model, precision: str = "bf16", **kwargs):
+def _sharded(model, precision: str = "bf16", shard_state=True, **kwargs):
     from adambridge import AdamBridge
     return AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision=precision, seed=7,
-                      shard_state=True, **kwargs)
+                      shard_state=shard_state, **kwargs)
 
 
 def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
@@ -327,6 +327,12 @@ def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
         result[dtype, precision] = [p.detach().clone() for p in model.parameters()]
         result[dtype, precision, "state"] = opt.state_dict()["state"]
         result[dtype, precision, "bytes"] = opt.host_state_bytes()
+    # A ProcessGroup of this rank alone: the one-rank path (no exchange on CPU).
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    for dtype in DCP_DTYPES:
+        model = make_model(dtype)
+        run_given_grads(model, "bf16", _same_grad, opt=_sharded(model, shard_state=alone))
+        result[dtype, "bf16", "one-rank group"] = [p.detach().clone() for p in model.parameters()]
     return result
 
 

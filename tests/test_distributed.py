@@ -170,6 +170,8 @@ def test_shard_state_equals_one_process_bit_for_bit(two_ranks, four_ranks_zero, 
         whole = opt.state_dict()["state"]
         for result in ranks:
             _identical(result[dtype, precision], alone)
+            if precision == "bf16":
+                _identical(result[dtype, precision, "one-rank group"], alone)
             assert result[dtype, precision, "state"].keys() == whole.keys()
             for index, entry in whole.items():
                 _identical(list(result[dtype, precision, "state"][index].values()),

@@ -309,6 +309,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
         zero.refuse_attach(self)
+        if distributed.holds_dtensors(self):  # FSDP2: shards updated as their grads land
+            from . import fsdp_async
+            self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
+            return
         ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
                         closes_window=closes_window, hook_grads=ddp is None)

@@ -247,8 +247,6 @@ def refusals(rank: int, world: int, out_dir: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     column = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
     errors["shard1"] = _error(lambda: AdamBridge([column]))
-    fsdp2 = shard(make_model())
-    errors["fsdp2_async"] = _error(lambda: AdamBridge(fsdp2.parameters()).attach_hooks(fsdp2))
     ddp = DDP(make_model())
     ddp.register_comm_hook(None, _noop_hook)
     errors["ddp_comm_hook"] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(ddp))
@@ -422,14 +420,95 @@ def zero_four(rank: int, world: int, out_dir: str) -> dict:
             "zero_load": zero_load(rank, world, out_dir)}
 
 
+# --------------------------------------------------------------------------- FSDP2 async
+
+
+def fsdp2_async(rank: int, world: int, out_dir: str) -> dict:
+    """attach_hooks on FSDP2 models against synchronous step(), bf16 moments (SR on)."""
+    from adambridge import AdamBridge
+    result = {}
+    for setup in FSDP2_SETUPS:
+        for mode in ("sync", "async"):
+            model = shard(make_model(), setup)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+            if mode == "async":
+                opt.attach_hooks(model)
+            in_backward = []
+            for step in range(4):
+                model(batch(rank, step)).square().mean().backward()
+                if mode == "async":
+                    in_backward.append(_updated_in_backward(opt))
+                opt.step()
+                opt.zero_grad()
+            result[setup, mode] = [_full(p) for p in model.parameters()]
+            result[setup, mode, "in backward"] = in_backward
+            opt.detach_hooks()
+    for mode in ("sync", "async"):
+        result["accumulated", mode] = _accumulated(rank, mode)
+    result["errors"] = _fsdp2_async_errors(rank)
+    return result
+
+
+def _updated_in_backward(opt) -> int:
+    updater = opt._pipeline
+    updater._wait()  # the worker's batches of this backward, before step() runs
+    return len(updater._done)
+
+
+def _accumulated(rank: int, mode: str) -> list:
+    """Two passes per step, the first without gradient sync (FSDP2's accumulation)."""
+    from adambridge import AdamBridge
+    model = shard(make_model(), "cpu_offload")
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(3):
+        model.set_requires_gradient_sync(False)
+        model(batch(rank, 2 * step)).square().mean().backward()
+        model.set_requires_gradient_sync(True)
+        model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [_full(p) for p in model.parameters()]
+
+
+def _fsdp2_async_errors(rank: int) -> dict:
+    from adambridge import AdamBridge
+    errors = {}
+    model = shard(make_model())
+    opt = AdamBridge(model.parameters(), lr=LR)
+    opt.attach_hooks(model)
+    before = [_full(p) for p in model.parameters()]
+    model(batch(rank, 0)).square().mean().backward()
+    errors["clip in the first step"] = _error(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    errors["unchanged"] = all(torch.equal(a, _full(b)) for a, b in zip(before, model.parameters()))
+    opt.step()
+    opt.zero_grad()
+    for step in (1, 2):  # a second synced backward before step()
+        model(batch(rank, step)).square().mean().backward()
+    errors["second reduce"] = _error(opt.step)
+    errors["accumulate"] = _error(opt.accumulate)
+    opt.zero_grad()
+    opt.detach_hooks()
+    errors["max_grad_norm"] = _error(
+        lambda: AdamBridge(model.parameters(), max_grad_norm=1.0).attach_hooks(model))
+    errors["accumulation_steps"] = _error(
+        lambda: AdamBridge(model.parameters()).attach_hooks(model, accumulation_steps=2))
+    return errors
+
+
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
             for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
-                      ddp_async, zero_given_grads, zero_ddp, zero_save, zero_refusals)}
+                      ddp_async, zero_given_grads, zero_ddp, zero_save, zero_refusals,
+                      fsdp2_async)}
 
 
 SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
                                      dcp_save, dcp_load, hsdp_given_grads, zero_given_grads,
-                                     zero_ddp, zero_save, zero_refusals, zero_four)}
+                                     zero_ddp, zero_save, zero_refusals, zero_four,
+                                     fsdp2_async)}

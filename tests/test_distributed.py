@@ -85,7 +85,6 @@ def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
     errors = _scenario(two_ranks, "refusals")[0]
     expected = {
         "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
-        "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
         "ddp_comm_hook": "RuntimeError: attach_hooks() on a DDP model that already has a comm",
         "fsdp1": "ValueError: Invalid parameter 0: it is managed by FSDP1",
     }
@@ -218,6 +217,46 @@ def test_shard_state_refusals_are_one_line(two_ranks):
         "grads_differ": "ValueError: shard_state=True: ranks disagree on which parameters",
         "no_process_group": "ValueError: shard_state needs torch.distributed initialized",
     }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]
+
+
+# --------------------------------------------------------------------------- FSDP2 async
+
+
+@pytest.fixture(scope="module")
+def fsdp2_async_ranks(two_ranks):
+    return _scenario(two_ranks, "fsdp2_async")
+
+
+@pytest.mark.parametrize("setup", workers.FSDP2_SETUPS)
+def test_fsdp2_async_equals_sync_bit_for_bit(fsdp2_async_ranks, setup):
+    for result in fsdp2_async_ranks:
+        _identical(result[setup, "async"], result[setup, "sync"])
+        # The first step is held (updated by step()); then every shard (4 parameters) is
+        # updated by the worker as its reduce-scatter lands, before step() is called.
+        assert result[setup, "async", "in backward"] == [0, 4, 4, 4]
+    _identical(fsdp2_async_ranks[0][setup, "async"], fsdp2_async_ranks[1][setup, "async"])
+
+
+def test_fsdp2_async_accumulates_with_gradient_sync_off(fsdp2_async_ranks):
+    for result in fsdp2_async_ranks:
+        _identical(result["accumulated", "async"], result["accumulated", "sync"])
+
+
+def test_fsdp2_async_refusals_are_one_line(fsdp2_async_ranks):
+    errors = fsdp2_async_ranks[0]["errors"]
+    assert errors.pop("unchanged") is True  # the refused clip of the held step changed nothing
+    expected = {
+        "clip in the first step": "RuntimeError: clip_grad_norm_ with attach_hooks() on FSDP2 "
+                                  "parameters is not supported (nothing was changed)",
+        "second reduce": "RuntimeError: parameter 2 received a second reduced gradient",
+        "accumulate": "RuntimeError: opt.accumulate() on FSDP2 parameters",
+        "max_grad_norm": "ValueError: attach_hooks() on FSDP2 parameters with max_grad_norm",
+        "accumulation_steps": "ValueError: attach_hooks(accumulation_steps=..., closes_window",
+    }
+    assert errors.keys() == expected.keys()
     for name, start in expected.items():
         assert errors[name].startswith(start), (name, errors[name])
         assert "\n" not in errors[name]

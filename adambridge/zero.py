@@ -87,12 +87,16 @@ def _blocks(start: int, end: int) -> tuple[int, int]:
 
 
 class _Group:
-    """The process group with this rank's coordinates."""
+    """The process group with this rank's coordinates, and the device its collectives use:
+    the parameters' GPU when they are on one (an NCCL-only group has no CPU collectives),
+    else the CPU."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, opt: Any) -> None:
         import torch.distributed as dist
         self.group, self.dist = group, dist
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        devices = [p.device for g in opt.param_groups for p in g["params"]]
+        self.device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
     def range(self, opt: Any, p: torch.Tensor, rank: Optional[int] = None) -> tuple[int, int]:
         return chunk_range(p.numel(), opt.index(p), self.rank if rank is None else rank,
@@ -145,7 +149,7 @@ def sync_step(opt: Any, stats: Any, began: float) -> None:
     if distributed.holds_dtensors(opt):
         raise ValueError("shard_state=True with FSDP2 (DTensor) parameters is not supported: "
                          "FSDP2 shards the state already; drop shard_state")
-    g = _Group(opt._shard_group)
+    g = _Group(opt._shard_group, opt)
     work = _collect(opt, g)
     items, done = [], []
     for p, group in work:
@@ -186,8 +190,8 @@ def _collect(opt: Any, g: _Group) -> list:
     if len(devices) > 1:
         raise ValueError(f"shard_state=True with parameters on several devices "
                          f"({sorted(map(str, devices))}) is not supported; use one device")
-    agreed = torch.tensor(flags, dtype=torch.int32)
-    g.dist.all_reduce(agreed, group=g.group)  # on CPU: gloo or the CPU side of the backend
+    agreed = torch.tensor(flags, dtype=torch.int32, device=g.device)
+    g.dist.all_reduce(agreed, group=g.group)
     differ = [i for i, (n, mine) in enumerate(zip(agreed.tolist(), flags))
               if n not in (0, g.world)]
     if differ:
@@ -248,7 +252,7 @@ def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
     sizes = [[(b - a, p.dtype) for p in params for a, b in [g.range(opt, p, r)] if b > a]
              for r in range(g.world)]
     local = [_new_values(opt, p, *mine[p]) for p in params if p in mine]
-    pieces = exchange(g, sizes, local, params[0].device)
+    pieces = exchange(g, sizes, local, g.device)
     for rank in range(g.world):
         ranged = [p for p in params if g.range(opt, p, rank)[1] > g.range(opt, p, rank)[0]]
         for p, piece in zip(ranged, pieces[rank]):
@@ -287,10 +291,10 @@ def _piece_numel(key: str, start: int, end: int) -> int:
 
 def saved_state(opt: Any) -> dict:
     """{index: entry} of every parameter with state, whole (a collective: every rank calls)."""
-    g = _Group(opt._shard_group)
+    g = _Group(opt._shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     steps = torch.tensor([float(opt.state[p]["step"].item()) if opt.state.get(p) else -1.0
-                          for p in params], dtype=torch.float64)
+                          for p in params], dtype=torch.float64, device=g.device)
     g.dist.all_reduce(steps, op=g.dist.ReduceOp.MAX, group=g.group)
     held = [p for p, s in zip(params, steps.tolist()) if s >= 0]
     keys = _state_keys(opt.precision)
@@ -298,7 +302,7 @@ def saved_state(opt: Any) -> dict:
               if b > a for k, d in keys] for r in range(g.world)]
     local = [opt.state[p][k] for p in held for a, b in [g.range(opt, p)] if b > a
              for k, _ in keys]
-    pieces = exchange(g, sizes, local, torch.device("cpu"))
+    pieces = exchange(g, sizes, local, g.device)
     by_rank = [iter(rank_pieces) for rank_pieces in pieces]
     parts: dict = {}
     for p in held:
@@ -311,7 +315,7 @@ def saved_state(opt: Any) -> dict:
         if step < 0:
             continue
         owners = [r for r in _owners_in_order(opt.index(p), g.world) if (p, r) in parts]
-        whole = {k: torch.cat([parts[p, r][k] for r in owners]) for k, _ in keys}
+        whole = {k: torch.cat([parts[p, r][k] for r in owners]).cpu() for k, _ in keys}
         whole["step"] = torch.tensor(step)
         out[opt.index(p)] = checkpoint.saved_entry(p, whole)
     return out
@@ -320,7 +324,7 @@ def saved_state(opt: Any) -> dict:
 def restore(opt: Any, state_dict: Any) -> tuple:
     """checkpoint.restore of a whole (unsharded-layout) checkpoint, kept to this rank's
     ranges; nothing is changed before every value is checked."""
-    g = _Group(opt._shard_group)
+    g = _Group(opt._shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     new_state, new_groups, meta = checkpoint.restore(state_dict, opt.param_groups, params,
                                                      opt.precision)

@@ -325,6 +325,10 @@ def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
         result[dtype, precision] = [p.detach().clone() for p in model.parameters()]
         result[dtype, precision, "state"] = opt.state_dict()["state"]
         result[dtype, precision, "bytes"] = opt.host_state_bytes()
+    for dtype in DCP_DTYPES:  # weights written between steps: the masters take them
+        model = make_model(dtype)
+        result[dtype, "written"] = [p.detach().clone() for p in
+                                    written_between_steps(model, _sharded(model)).parameters()]
     # A ProcessGroup of this rank alone: the one-rank path (no exchange on CPU).
     alone = [dist.new_group([r]) for r in range(world)][rank]
     for dtype in DCP_DTYPES:
@@ -336,6 +340,16 @@ def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
 
 def _same_grad(p, g):
     return g.to(p.dtype)
+
+
+def written_between_steps(model, opt):
+    """2 steps, every weight halved by hand, 2 more steps."""
+    run_given_grads(model, "bf16", _same_grad, steps=range(2), opt=opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+    return model
 
 
 def zero_ddp(rank: int, world: int, out_dir: str) -> dict:

@@ -182,6 +182,19 @@ def test_shard_state_equals_one_process_bit_for_bit(two_ranks, four_ranks_zero, 
         assert max(per_rank) <= opt.host_state_bytes() / world + slack
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_state_masters_take_weights_written_between_steps(two_ranks, four_ranks_zero,
+                                                                world):
+    from adambridge import AdamBridge
+    for dtype in workers.DCP_DTYPES:
+        model = workers.make_model(dtype)
+        opt = AdamBridge(model.parameters(), lr=workers.LR, weight_decay=workers.WD,
+                         precision="bf16", seed=7)
+        alone = [p.detach() for p in workers.written_between_steps(model, opt).parameters()]
+        for result in _zero_given(two_ranks, four_ranks_zero, world):
+            _identical(result[dtype, "written"], alone)
+
+
 def test_shard_state_under_ddp_equals_unsharded_and_adamw(two_ranks):
     sharded, plain = _scenario(two_ranks, "zero_ddp"), _scenario(two_ranks, "ddp_sync")
     for result, reference in zip(sharded, plain):

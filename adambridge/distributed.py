@@ -12,9 +12,10 @@ DDP in asynchronous mode: the per-parameter hooks would run before DDP's all-red
 instead a DDP comm hook all-reduces each bucket and hands the reduced slices to the pipeline
 (``hand_over_reduced``); every rank then updates with the same averaged gradient.
 
+FSDP2 in asynchronous mode is fsdp_async.py; DDP with sharded host state is zero.py.
+
 Refused, in one line each: DTensor layouts other than ``Shard(0)``/``Replicate`` per mesh
-dimension, FSDP1 (``FullyShardedDataParallel``), and asynchronous mode (``attach_hooks``) on
-DTensor parameters.
+dimension, and FSDP1 (``FullyShardedDataParallel``).
 """
 from __future__ import annotations
 
@@ -87,11 +88,8 @@ def shard_offset(p: torch.Tensor, index: int) -> int:
 
 
 def check_attach(model: Optional[torch.nn.Module], params: list) -> Optional[Any]:
-    """The DistributedDataParallel wrapping ``params`` (None if none), after refusing
-    asynchronous mode on DTensor parameters."""
-    if any(is_dtensor(p) for p in params):
-        raise RuntimeError("attach_hooks() on FSDP2 (DTensor) parameters is not supported; "
-                           "use synchronous opt.step() with fully_shard models")
+    """The DistributedDataParallel wrapping ``params`` (None if none); DTensor parameters
+    never get here (AdamBridge.attach_hooks sends them to fsdp_async.py)."""
     return _ddp_over(model, params)
 
 
@@ -157,18 +155,33 @@ def local_of(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if is_dtensor(p) else p
 
 
-def sync_step(opt: Any, stats: Any, began: float) -> None:
-    """``opt.step()`` over DTensor (and plain) parameters: each rank updates its shard."""
+def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
+    """``opt.step()`` over DTensor (and plain) parameters: each rank updates its shard.
+
+    ``skip``: parameters already updated in this step (FSDP2 async mode, fsdp_async.py).
+    """
     work = []
     for i, group in enumerate(opt.param_groups):
         check.group_flags(group, f"param_groups[{i}]")  # set after construction or load
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or p in skip:
                 continue
             opt.check_gradient(p)
-            sharded = is_dtensor(p)
-            offset = shard_offset(p, opt.index(p)) if sharded else 0
-            work.append((p, group, offset, _local_grad(p, opt.index(p)) if sharded else p.grad))
+            work.append(shard_work(opt, p, group))
+    done = update_shards(opt, work)
+    stats.num_params, stats.num_batches = len(done), int(bool(done))
+    stats.host_update_s = stats.wall_s = time.perf_counter() - began
+
+
+def shard_work(opt: Any, p: torch.Tensor, group: dict) -> tuple:
+    """(p, group, global offset, local gradient) of a parameter whose gradient is checked."""
+    sharded = is_dtensor(p)
+    offset = shard_offset(p, opt.index(p)) if sharded else 0
+    return p, group, offset, _local_grad(p, opt.index(p)) if sharded else p.grad
+
+
+def update_shards(opt: Any, work: list) -> list:
+    """Update each (p, group, offset, grad) of ``work`` in one batch; returns what was done."""
     items, done = [], []
     for p, group, offset, grad in work:
         local, grad = local_of(p).detach(), grad.detach()
@@ -183,8 +196,7 @@ def sync_step(opt: Any, stats: Any, began: float) -> None:
         state["step"].fill_(step)
         _write_back(opt, p, local, state)
         opt._written[p] = (local._version, local.data_ptr())
-    stats.num_params, stats.num_batches = len(done), int(bool(done))
-    stats.host_update_s = stats.wall_s = time.perf_counter() - began
+    return done
 
 
 def _local_grad(p: torch.Tensor, index: int) -> torch.Tensor:

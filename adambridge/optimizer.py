@@ -13,6 +13,7 @@ import torch
 
 from . import _validation as check
 from . import checkpoint, distributed, nvme, state as host_state, step_facts, sync_transfer
+from . import rank_pool, zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -58,6 +59,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         offload_dir: Any = None,
         host_budget: Optional[int] = None,
+        shard_state: Any = False,
         **torch_flags: Any,
     ) -> None:
         check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
@@ -77,6 +79,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.autotune_config = check.autotune(autotune)
         # NVMe tier (issue 14): validated here, created once the parameters are known.
         offload = nvme.check_offload(offload_dir, host_budget, self.autotune_config)
+        # ZeRO-2 style host state under DDP (zero.py): the process group, or None.
+        self._shard_group = zero.process_group(shard_state, offload)
         self.autotune_log: list = []
         self.last_step_stats = None
         self._resolved_backend: Optional[str] = None
@@ -182,6 +186,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return "torch"
         if self.num_threads is not None:
             loader.set_num_threads(self.num_threads)
+        rank_pool.configure(self)  # under torchrun: this rank's node or share of the CPUs
         return "native"
 
     # ------------------------------------------------------------------ step
@@ -211,6 +216,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return loss
         if self.max_grad_norm is not None:
             stats.grad_norm = step_facts.sync_clip(self)
+        if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
+            zero.sync_step(self, stats, began)
+            return loss
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:
                 raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported: "
@@ -300,6 +308,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        zero.refuse_attach(self)
+        if distributed.holds_dtensors(self):  # FSDP2: shards updated as their grads land
+            from . import fsdp_async
+            self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
+            return
         ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
                         closes_window=closes_window, hook_grads=ddp is None)
@@ -357,9 +370,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for key, value in self.state.items():
             if not isinstance(key, torch.Tensor):
                 state[key] = value  # not a parameter's: kept as is, as torch does
-            elif value:
+            elif value and self._shard_group is None:
                 value = filed.get(key, value)  # a file-backed state: its committed tensors
                 state[self._param_index[key]] = distributed.saved_entry(key, value)
+        if self._shard_group is not None:  # a collective: the whole state, on every rank
+            state.update(zero.saved_state(self))
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, saved)
@@ -377,8 +392,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         params = [p for group in self.param_groups for p in group["params"]]
-        new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                           params, self._precision)
+        if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
+            new_state, new_groups, meta = zero.restore(self, state_dict)
+        else:
+            new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                                                               params, self._precision)
         if self._tier is not None:
             new_state = self._tier.adopt(new_state)  # file-placed states go into their files
         self.state.clear()
@@ -408,6 +426,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         had_flag = "differentiable" in state.get("defaults", {})
         super().__setstate__(state)
         self.__dict__.setdefault("_tier", None)  # pickled before the NVMe tier existed
+        self.__dict__.setdefault("_shard_group", None)  # pickled before shard_state existed
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

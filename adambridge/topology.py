@@ -166,3 +166,34 @@ def l2_cache_bytes(root: str = "/") -> int:
         if found:
             return int(found.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[found.group(2)]
     return 0
+
+
+def cpus_for_local_rank(local_rank: int, local_world: int, root: str = "/",
+                        allowed: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """This rank's CPUs when ``local_world`` ranks share the host and none follows a GPU.
+
+    Ranks spread round-robin over the NUMA nodes (rank r on node r mod n), and the ranks of
+    one node split its allowed CPUs into disjoint contiguous runs (sizes differing by at most
+    one; a rank gets one CPU, shared, where a node has fewer CPUs than ranks). Without NUMA
+    facts the allowed CPUs are one node. () when nothing is known.
+    """
+    allowed = allowed_cpus() if allowed is None else allowed
+    keep = set(allowed)
+    nodes = [tuple(c for c in node.cpus if not keep or c in keep) for node in numa_nodes(root)]
+    nodes = [cpus for cpus in nodes if cpus] or ([tuple(sorted(keep))] if keep else [])
+    if not nodes or not 0 <= local_rank < local_world:
+        return ()
+    mates = len(range(local_rank % len(nodes), local_world, len(nodes)))
+    return share_of(nodes[local_rank % len(nodes)], mates, local_rank // len(nodes))
+
+
+def share_of(cpus: tuple[int, ...], parts: int, position: int) -> tuple[int, ...]:
+    """Part ``position`` of ``cpus`` cut into ``parts`` contiguous runs whose sizes differ by
+    at most one; one CPU, shared round-robin, where there are fewer CPUs than parts."""
+    if not cpus or parts <= 0:
+        return ()
+    if parts > len(cpus):
+        return (cpus[position % len(cpus)],)
+    base, extra = divmod(len(cpus), parts)
+    start = position * base + min(position, extra)
+    return cpus[start:start + base + (position < extra)]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import step_facts, topology
+from . import rank_pool, step_facts, topology
 from .functional import adamw_update
 
 _log = logging.getLogger("adambridge")
@@ -34,7 +34,11 @@ def chunk_ranges(numel: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def worker_cpus(device: torch.device, numa_aware: bool, root: str = "/") -> tuple[int, ...]:
-    """CPUs of the NUMA node ``device`` hangs off, for its worker; () means pin nothing."""
+    """CPUs of the NUMA node ``device`` hangs off, for its worker; () means pin nothing.
+
+    A CPU device under torchrun: this rank's share of the host (rank_pool.py)."""
+    if numa_aware and device.type == "cpu":
+        return rank_pool.host_rank_cpus(numa_aware, root=root)
     if not numa_aware or device.type != "cuda":
         return ()
     return topology.cpus_for_cuda_device(device.index or 0, root)

@@ -247,8 +247,6 @@ def refusals(rank: int, world: int, out_dir: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     column = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
     errors["shard1"] = _error(lambda: AdamBridge([column]))
-    fsdp2 = shard(make_model())
-    errors["fsdp2_async"] = _error(lambda: AdamBridge(fsdp2.parameters()).attach_hooks(fsdp2))
     ddp = DDP(make_model())
     ddp.register_comm_hook(None, _noop_hook)
     errors["ddp_comm_hook"] = _error(lambda: AdamBridge(ddp.parameters()).attach_hooks(ddp))
@@ -305,13 +303,226 @@ def ddp_async(rank: int, world: int, out_dir: str) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- shard_state (zero.py)
+
+ZERO_CASES = ((torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+              (torch.float32, "fp8"))
+
+
+def _sharded(model, precision: str = "bf16", shard_state=True, **kwargs):
+    from adambridge import AdamBridge
+    return AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision=precision, seed=7,
+                      shard_state=shard_state, **kwargs)
+
+
+def zero_given_grads(rank: int, world: int, out_dir: str) -> dict:
+    """The same full gradients on every rank (what DDP's all-reduce leaves): the result, the
+    whole state_dict and the host bytes of this rank's ranges."""
+    result = {}
+    for dtype, precision in ZERO_CASES:
+        model = make_model(dtype)
+        opt = run_given_grads(model, precision, _same_grad, opt=_sharded(model, precision))
+        result[dtype, precision] = [p.detach().clone() for p in model.parameters()]
+        result[dtype, precision, "state"] = opt.state_dict()["state"]
+        result[dtype, precision, "bytes"] = opt.host_state_bytes()
+    for dtype in DCP_DTYPES:  # weights written between steps: the masters take them
+        model = make_model(dtype)
+        result[dtype, "written"] = [p.detach().clone() for p in
+                                    written_between_steps(model, _sharded(model)).parameters()]
+    # A ProcessGroup of this rank alone: the one-rank path (no exchange on CPU).
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    for dtype in DCP_DTYPES:
+        model = make_model(dtype)
+        run_given_grads(model, "bf16", _same_grad, opt=_sharded(model, shard_state=alone))
+        result[dtype, "bf16", "one-rank group"] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def _same_grad(p, g):
+    return g.to(p.dtype)
+
+
+def written_between_steps(model, opt):
+    """2 steps, every weight halved by hand, 2 more steps."""
+    run_given_grads(model, "bf16", _same_grad, steps=range(2), opt=opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+    return model
+
+
+def zero_ddp(rank: int, world: int, out_dir: str) -> dict:
+    """DDP, real backward, shard_state=True, both backends (compared with DDP + AdamW)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result = {}
+    for backend in ("torch", "auto"):
+        model = DDP(make_model())
+        train(model, _sharded(model, "fp32", backend=backend), rank)
+        result[backend] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_save(rank: int, world: int, out_dir: str) -> dict:
+    """2 steps, a DCP checkpoint and a whole one (torch.save), then 2 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    result = {}
+    for dtype in DCP_DTYPES:
+        model = make_model(dtype)
+        opt = run_given_grads(model, "bf16", _same_grad, steps=range(2),
+                              opt=_sharded(model))
+        dcp.save({"model": sd.get_model_state_dict(model),
+                  "optim": sd.get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=_ckpt(out_dir, f"zero-dcp-{dtype}"))
+        whole = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if rank == 0:
+            torch.save(whole, _ckpt(out_dir, f"zero-full-{dtype}.pt"))
+        run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+        result[dtype] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_load(rank: int, world: int, out_dir: str, sharded: bool = True) -> dict:
+    """Resume a zero_save checkpoint (of another number of ranks), DCP's and the whole one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    result = {}
+    for dtype in DCP_DTYPES:
+        for source in ("dcp", "full"):
+            model = make_model(dtype)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16",
+                             seed=3, shard_state=sharded)
+            if source == "dcp":
+                loaded = {"model": sd.get_model_state_dict(model),
+                          "optim": sd.get_optimizer_state_dict(model, opt)}
+                dcp.load(loaded, checkpoint_id=_ckpt(out_dir, f"zero-dcp-{dtype}"))
+                sd.set_model_state_dict(model, loaded["model"])
+                sd.set_optimizer_state_dict(model, opt, loaded["optim"])
+            else:
+                loaded = torch.load(_ckpt(out_dir, f"zero-full-{dtype}.pt"), weights_only=False)
+                model.load_state_dict(loaded["model"])
+                opt.load_state_dict(loaded["optim"])
+            assert opt.seed == 7, opt.seed  # the checkpoint's seed, not the constructor's
+            run_given_grads(model, "bf16", _same_grad, steps=range(2, 4), opt=opt)
+            result[dtype, source] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def zero_refusals(rank: int, world: int, out_dir: str) -> dict:
+    errors = {}
+    model = make_model()
+    errors["async"] = _error(lambda: _sharded(model).attach_hooks(model))
+    fsdp2 = shard(make_model())
+    errors["fsdp2"] = _error(lambda: _step_once(fsdp2, _sharded(fsdp2)))
+    model = make_model()
+    opt = _sharded(model)
+    model[0].weight.grad = torch.ones_like(model[0].weight) if rank == 0 else None
+    errors["grads_differ"] = _error(opt.step)
+    return errors
+
+
+def _step_once(model, opt):
+    model(batch(0, 0)).square().mean().backward()
+    opt.step()
+
+
+def zero_four(rank: int, world: int, out_dir: str) -> dict:
+    """On 4 ranks: the given-gradient run, and the resume of the 2-rank checkpoint."""
+    return {"zero_given_grads": zero_given_grads(rank, world, out_dir),
+            "zero_load": zero_load(rank, world, out_dir)}
+
+
+# --------------------------------------------------------------------------- FSDP2 async
+
+
+def fsdp2_async(rank: int, world: int, out_dir: str) -> dict:
+    """attach_hooks on FSDP2 models against synchronous step(), bf16 moments (SR on)."""
+    from adambridge import AdamBridge
+    result = {}
+    for setup in FSDP2_SETUPS:
+        for mode in ("sync", "async"):
+            model = shard(make_model(), setup)
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+            if mode == "async":
+                opt.attach_hooks(model)
+            in_backward = []
+            for step in range(4):
+                model(batch(rank, step)).square().mean().backward()
+                if mode == "async":
+                    in_backward.append(_updated_in_backward(opt))
+                opt.step()
+                opt.zero_grad()
+            result[setup, mode] = [_full(p) for p in model.parameters()]
+            result[setup, mode, "in backward"] = in_backward
+            opt.detach_hooks()
+    for mode in ("sync", "async"):
+        result["accumulated", mode] = _accumulated(rank, mode)
+    result["errors"] = _fsdp2_async_errors(rank)
+    return result
+
+
+def _updated_in_backward(opt) -> int:
+    updater = opt._pipeline
+    updater._wait()  # the worker's batches of this backward, before step() runs
+    return len(updater._done)
+
+
+def _accumulated(rank: int, mode: str) -> list:
+    """Two passes per step, the first without gradient sync (FSDP2's accumulation)."""
+    from adambridge import AdamBridge
+    model = shard(make_model(), "cpu_offload")
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(3):
+        model.set_requires_gradient_sync(False)
+        model(batch(rank, 2 * step)).square().mean().backward()
+        model.set_requires_gradient_sync(True)
+        model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [_full(p) for p in model.parameters()]
+
+
+def _fsdp2_async_errors(rank: int) -> dict:
+    from adambridge import AdamBridge
+    errors = {}
+    model = shard(make_model())
+    opt = AdamBridge(model.parameters(), lr=LR)
+    opt.attach_hooks(model)
+    before = [_full(p) for p in model.parameters()]
+    model(batch(rank, 0)).square().mean().backward()
+    errors["clip in the first step"] = _error(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    errors["unchanged"] = all(torch.equal(a, _full(b)) for a, b in zip(before, model.parameters()))
+    opt.step()
+    opt.zero_grad()
+    for step in (1, 2):  # a second synced backward before step()
+        model(batch(rank, step)).square().mean().backward()
+    errors["second reduce"] = _error(opt.step)
+    errors["accumulate"] = _error(opt.accumulate)
+    opt.zero_grad()
+    opt.detach_hooks()
+    errors["max_grad_norm"] = _error(
+        lambda: AdamBridge(model.parameters(), max_grad_norm=1.0).attach_hooks(model))
+    errors["accumulation_steps"] = _error(
+        lambda: AdamBridge(model.parameters()).attach_hooks(model, accumulation_steps=2))
+    return errors
+
+
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
             for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
-                      ddp_async)}
+                      ddp_async, zero_given_grads, zero_ddp, zero_save, zero_refusals,
+                      fsdp2_async)}
 
 
 SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
-                                     dcp_save, dcp_load, hsdp_given_grads)}
+                                     dcp_save, dcp_load, hsdp_given_grads, zero_given_grads,
+                                     zero_ddp, zero_save, zero_refusals, zero_four,
+                                     fsdp2_async)}

@@ -1,4 +1,4 @@
-"""torch.distributed on CPU with gloo, 2 spawned ranks: FSDP2 shards, DDP, the refusals.
+"""torch.distributed on CPU with gloo, spawned ranks: FSDP2 shards, DDP, shard_state, refusals.
 
 Each test launches one scenario of tests/_distributed_workers.py and compares what the
 ranks return with torch.optim.AdamW under the same wrapper and with one process.
@@ -85,7 +85,6 @@ def test_unsupported_layouts_and_modes_are_refused_in_one_line(two_ranks):
     errors = _scenario(two_ranks, "refusals")[0]
     expected = {
         "shard1": "ValueError: Invalid parameter 0: DTensor placements (Shard(dim=1),)",
-        "fsdp2_async": "RuntimeError: attach_hooks() on FSDP2 (DTensor) parameters",
         "ddp_comm_hook": "RuntimeError: attach_hooks() on a DDP model that already has a comm",
         "fsdp1": "ValueError: Invalid parameter 0: it is managed by FSDP1",
     }
@@ -124,7 +123,8 @@ def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
         _identical(ranks[0][key], ranks[1][key])
 
 
-@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous"])
+@pytest.mark.parametrize("after", ["**FSDP2** (`fully_shard`)", "**DDP**: synchronous",
+                                   "**DDP, sharded host state**"])
 def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     script = tmp_path / "train.py"
     script.write_text(example(after), encoding="utf-8")
@@ -138,3 +138,138 @@ def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     assert run.returncode == 0, run.stderr[-3000:]
     if "FSDP2" in after:
         assert (tmp_path / "checkpoint" / ".metadata").exists()
+    if "sharded" in after:  # the gathered whole state, in the parameters' shapes
+        saved = torch.load(tmp_path / "optimizer.pt", weights_only=False)
+        assert saved["state"][0]["exp_avg"].shape == (256, 256)
+
+
+# --------------------------------------------------------------------------- shard_state
+
+
+@pytest.fixture(scope="module")
+def four_ranks_zero(two_ranks, tmp_path_factory):
+    """zero_four on 4 ranks; it resumes the checkpoints two_ranks' zero_save wrote beside."""
+    return workers.launch("zero_four", 4, tmp_path_factory.mktemp("zero_four"))
+
+
+def _zero_given(two_ranks, four_ranks_zero, world: int) -> list:
+    if world == 2:
+        return _scenario(two_ranks, "zero_given_grads")
+    return [result["zero_given_grads"] for result in four_ranks_zero]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_state_equals_one_process_bit_for_bit(two_ranks, four_ranks_zero, world):
+    from adambridge.state import HOST_BYTES_PER_PARAM
+    ranks = _zero_given(two_ranks, four_ranks_zero, world)
+    for dtype, precision in workers.ZERO_CASES:
+        model = workers.make_model(dtype)
+        opt = workers.run_given_grads(model, precision, workers._same_grad)
+        alone = [p.detach().clone() for p in model.parameters()]
+        whole = opt.state_dict()["state"]
+        for result in ranks:
+            _identical(result[dtype, precision], alone)
+            if precision == "bf16":
+                _identical(result[dtype, precision, "one-rank group"], alone)
+            assert result[dtype, precision, "state"].keys() == whole.keys()
+            for index, entry in whole.items():
+                _identical(list(result[dtype, precision, "state"][index].values()),
+                           list(entry.values()))
+        # Host state: one copy between the ranks, each about 1/N (a block per parameter).
+        per_rank = [r[dtype, precision, "bytes"] for r in ranks]
+        slack = HOST_BYTES_PER_PARAM[precision] * 128 * len(alone)
+        assert sum(per_rank) == opt.host_state_bytes()
+        assert max(per_rank) <= opt.host_state_bytes() / world + slack
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_state_masters_take_weights_written_between_steps(two_ranks, four_ranks_zero,
+                                                                world):
+    from adambridge import AdamBridge
+    for dtype in workers.DCP_DTYPES:
+        model = workers.make_model(dtype)
+        opt = AdamBridge(model.parameters(), lr=workers.LR, weight_decay=workers.WD,
+                         precision="bf16", seed=7)
+        alone = [p.detach() for p in workers.written_between_steps(model, opt).parameters()]
+        for result in _zero_given(two_ranks, four_ranks_zero, world):
+            _identical(result[dtype, "written"], alone)
+
+
+def test_shard_state_under_ddp_equals_unsharded_and_adamw(two_ranks):
+    sharded, plain = _scenario(two_ranks, "zero_ddp"), _scenario(two_ranks, "ddp_sync")
+    for result, reference in zip(sharded, plain):
+        for backend in ("torch", "auto"):
+            _identical(result[backend], reference[backend])
+            _close(result[backend], reference["adamw"])
+    for backend in ("torch", "auto"):
+        _identical(sharded[0][backend], sharded[1][backend])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_shard_state_checkpoint_of_2_ranks_resumes_on_4_and_on_one_process(
+        two_ranks, four_ranks_zero, tmp_path_factory):
+    uninterrupted = _scenario(two_ranks, "zero_save")[0]
+    resumed = [result["zero_load"] for result in four_ranks_zero]
+    # One process, unsharded, from the same files (DCP loads without a process group).
+    saved_beside = str(tmp_path_factory.getbasetemp() / "one_process")
+    resumed.append(workers.zero_load(0, 1, saved_beside, sharded=False))
+    for result in resumed:
+        for dtype in workers.DCP_DTYPES:
+            for source in ("dcp", "full"):
+                _identical(result[dtype, source], uninterrupted[dtype])
+
+
+def test_shard_state_refusals_are_one_line(two_ranks):
+    from adambridge import AdamBridge
+    errors = _scenario(two_ranks, "zero_refusals")[0]
+    errors["no_process_group"] = workers._error(
+        lambda: AdamBridge(workers.make_model().parameters(), shard_state=True))
+    expected = {
+        "async": "RuntimeError: attach_hooks() with shard_state=True is not supported",
+        "fsdp2": "ValueError: shard_state=True with FSDP2 (DTensor) parameters",
+        "grads_differ": "ValueError: shard_state=True: ranks disagree on which parameters",
+        "no_process_group": "ValueError: shard_state needs torch.distributed initialized",
+    }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]
+
+
+# --------------------------------------------------------------------------- FSDP2 async
+
+
+@pytest.fixture(scope="module")
+def fsdp2_async_ranks(two_ranks):
+    return _scenario(two_ranks, "fsdp2_async")
+
+
+@pytest.mark.parametrize("setup", workers.FSDP2_SETUPS)
+def test_fsdp2_async_equals_sync_bit_for_bit(fsdp2_async_ranks, setup):
+    for result in fsdp2_async_ranks:
+        _identical(result[setup, "async"], result[setup, "sync"])
+        # The first step is held (updated by step()); then every shard (4 parameters) is
+        # updated by the worker as its reduce-scatter lands, before step() is called.
+        assert result[setup, "async", "in backward"] == [0, 4, 4, 4]
+    _identical(fsdp2_async_ranks[0][setup, "async"], fsdp2_async_ranks[1][setup, "async"])
+
+
+def test_fsdp2_async_accumulates_with_gradient_sync_off(fsdp2_async_ranks):
+    for result in fsdp2_async_ranks:
+        _identical(result["accumulated", "async"], result["accumulated", "sync"])
+
+
+def test_fsdp2_async_refusals_are_one_line(fsdp2_async_ranks):
+    errors = fsdp2_async_ranks[0]["errors"]
+    assert errors.pop("unchanged") is True  # the refused clip of the held step changed nothing
+    expected = {
+        "clip in the first step": "RuntimeError: clip_grad_norm_ with attach_hooks() on FSDP2 "
+                                  "parameters is not supported (nothing was changed)",
+        "second reduce": "RuntimeError: parameter 2 received a second reduced gradient",
+        "accumulate": "RuntimeError: opt.accumulate() on FSDP2 parameters",
+        "max_grad_norm": "ValueError: attach_hooks() on FSDP2 parameters with max_grad_norm",
+        "accumulation_steps": "ValueError: attach_hooks(accumulation_steps=..., closes_window",
+    }
+    assert errors.keys() == expected.keys()
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]

@@ -1,0 +1,248 @@
+"""Asynchronous mode on FSDP2 (DTensor) parameters: each shard is updated as its gradient lands.
+
+The hook point. FSDP2's ``foreach_reduce`` (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py) runs, per FSDP group, the reduce-scatter, the divide, the cast to the
+parameter's dtype, the copy to host memory under ``CPUOffloadPolicy`` (a blocking copy when
+the parameter has post-accumulate-grad hooks) and the accumulation into
+``sharded_param.grad``, and only then calls the sharded parameter's post-accumulate-grad
+hooks. A hook registered with ``register_post_accumulate_grad_hook`` on the DTensor parameter
+therefore sees its final local gradient, once per reduce, while backward goes on.
+(``FSDPModule.set_all_reduce_hook`` is not used: it sees the group's flat reduce-scatter
+output before the divide and the cast, and only one hook per module.)
+
+The hook hands the shard to a worker thread that updates every shard that has landed in one
+batch (distributed.update_shards, the synchronous step's own code, so the bits are those of
+``step()``); ``step()`` waits for it, updates any parameter no hook delivered, and raises
+what failed.
+
+Limits, each refused in one line: the local shards must be in host memory (CPU training, or
+``CPUOffloadPolicy`` on GPUs); no ``max_grad_norm``, torch clipping, GradScaler or autotune
+(a step-wide fact that exists only after the last shard was updated); accumulation is
+FSDP2's own (``model.set_requires_gradient_sync(False)`` on the accumulating passes: FSDP2
+then reduces nothing and calls no hook), so ``accumulation_steps``, ``closes_window`` and
+``opt.accumulate()`` are refused, and a second reduced gradient before ``step()`` is an
+error. The first step after ``attach_hooks`` is held (updated by ``step()``), so a clip or a
+GradScaler there is refused with nothing changed; in a later step the shards that landed
+before the clip have been updated unclipped, and the error says so.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import distributed, interception
+from .stats import StepStats
+
+_STOP = object()
+_WAIT_S = 0.1
+
+
+def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
+           closes_window: Optional[Callable[[], bool]]) -> "ShardUpdater":
+    """attach_hooks() for an optimizer holding DTensor parameters (FSDP2)."""
+    if accumulation_steps != 1 or closes_window is not None:
+        raise ValueError("attach_hooks(accumulation_steps=..., closes_window=...) on FSDP2 "
+                         "parameters is not supported; call model.set_requires_gradient_sync"
+                         "(False) on the accumulating passes instead")
+    for name, value in (("max_grad_norm", opt.max_grad_norm),
+                        ("autotune", opt.autotune_config), ("offload_dir", opt._tier)):
+        if value is not None:
+            raise ValueError(f"attach_hooks() on FSDP2 parameters with {name} is not "
+                             f"supported; use synchronous opt.step(), or drop {name}")
+    owned = [p for group in opt.param_groups for p in group["params"]]
+    if model is not None:
+        ids = {id(p) for p in model.parameters()}
+        owned = [p for p in owned if id(p) in ids]
+    for p in owned:
+        device = distributed.local_of(p).device
+        if device.type != "cpu":
+            raise ValueError(f"attach_hooks() on FSDP2 parameter {opt.index(p)} whose shard is "
+                             f"on {device} is not supported; shard with offload_policy="
+                             f"CPUOffloadPolicy() (the shards then live in host memory)")
+    return ShardUpdater(opt, [p for p in owned if p.requires_grad])
+
+
+class ShardUpdater:
+    """The FSDP2 counterpart of pipeline.Pipeline: hooks, one worker thread, finish()."""
+
+    lanes: dict = {}  # no device lanes or staging buffers (host_memory.breakdown reads it)
+
+    def __init__(self, opt: Any, params: list) -> None:
+        self.opt = opt
+        self._group = {p: g for g in opt.param_groups for p in g["params"]}
+        self._hooked = set(params)
+        self._held = True           # the first step: hooks record nothing, step() updates
+        self._seen: set = set()     # parameters whose gradient arrived in this step
+        self._done: set = set()     # ... and were updated by the worker
+        self._errors: list = []
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                        name="adambridge-fsdp2", daemon=True)
+        self._thread.start()
+        hook = _hook(weakref.ref(self))
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        interception.register(self)
+
+    def hooks(self, p: torch.Tensor) -> bool:
+        return p in self._hooked
+
+    # ------------------------------------------------------------------ in backward
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        if self._held:
+            return
+        with self._cond:
+            if self._errors:
+                return
+            if p in self._seen:
+                self._errors.append(RuntimeError(
+                    f"parameter {self.opt.index(p)} received a second reduced gradient before "
+                    f"the optimizer step (its shard was updated with the first); call "
+                    f"model.set_requires_gradient_sync(False) on the accumulating passes"))
+                return
+            self._seen.add(p)
+        try:
+            self.opt.check_gradient(p)
+            work = distributed.shard_work(self.opt, p, self._group[p])
+        except (RuntimeError, ValueError) as exc:
+            self._fail(exc)
+            return
+        with self._cond:
+            self._pending += 1
+        self._queue.put(work)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._errors.append(exc)
+
+    def _run(self, batch: list) -> None:
+        try:
+            with self._cond:
+                skip = bool(self._errors)
+            if not skip:
+                distributed.update_shards(self.opt, batch)
+                with self._cond:
+                    self._done.update(p for p, _, _, _ in batch)
+        except Exception as exc:  # noqa: BLE001 - raised by finish, in the caller's thread
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._pending -= len(batch)
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ step
+
+    def finish(self) -> None:
+        """opt.step(): wait for the worker, update what no hook delivered, raise failures."""
+        began = time.perf_counter()
+        self._wait()
+        done, errors = frozenset(self._done), list(self._errors)
+        held = self._held
+        self._seen, self._done, self._errors = set(), set(), []
+        if errors:
+            raise _step_error(errors[0], len(done))
+        if getattr(self.opt, "grad_scale", None) is not None or \
+                getattr(self.opt, "found_inf", None) is not None:
+            raise self._refusal("GradScaler", held, len(done))
+        stats = StepStats()
+        self.opt.last_step_stats = stats
+        distributed.sync_step(self.opt, stats, began, skip=done)
+        stats.num_params += len(done)
+        self._held = False
+
+    def _wait(self) -> None:
+        with self._cond:
+            while self._pending:
+                if not self._thread.is_alive():
+                    raise RuntimeError("adambridge: the FSDP2 update thread died; "
+                                       "detach_hooks() and attach again")
+                self._cond.wait(_WAIT_S)
+
+    def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:
+        done = ("nothing was changed" if held else
+                f"{updated} shards of this step were already updated without it")
+        return RuntimeError(f"{what} with attach_hooks() on FSDP2 parameters is not supported "
+                            f"({done}); detach_hooks() and use synchronous opt.step()")
+
+    # ------------------------------------------------------------------ step-wide facts
+
+    def _refuse_fact(self, what: str) -> None:
+        with self._cond:
+            updated, held = len(self._done) + self._pending, self._held
+        raise self._refusal(what, held, updated)
+
+    def clip_grad_norm(self, *args: Any) -> Any:
+        self._refuse_fact("clip_grad_norm_")
+
+    def clip_with_norm(self, *args: Any) -> None:
+        self._refuse_fact("clip_grads_with_norm_")
+
+    def clip_value(self, *args: Any) -> None:
+        self._refuse_fact("clip_grad_value_")
+
+    def unscale_grads(self, *args: Any) -> dict:
+        self._refuse_fact("GradScaler")
+        return {}
+
+    def accumulate(self) -> Any:
+        raise RuntimeError("opt.accumulate() on FSDP2 parameters with hooks attached is not "
+                           "supported; call model.set_requires_gradient_sync(False) on the "
+                           "accumulating passes instead")
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        try:
+            self._wait()
+        finally:
+            self._queue.put(_STOP)
+            self._thread.join()
+            interception.unregister(self)
+
+
+def _step_error(exc: BaseException, updated: int) -> BaseException:
+    suffix = (f" ({updated} shards of this step were updated before it; the others were not)"
+              if updated else " (nothing was updated in this step)")
+    try:
+        return type(exc)(f"{exc}{suffix}")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}{suffix}")
+
+
+def _hook(ref: "weakref.ref[ShardUpdater]") -> Callable[[torch.Tensor], None]:
+    def on_reduced(p: torch.Tensor) -> None:
+        updater = ref()
+        if updater is not None and updater.opt._pipeline is updater:
+            updater.on_grad(p)
+    return on_reduced
+
+
+def _work(ref: "weakref.ref[ShardUpdater]", jobs: "queue.Queue[Any]") -> None:
+    """The worker: every shard that has landed, in one batch, until told to stop."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        batch = [job]
+        while True:  # take everything else that has landed meanwhile
+            try:
+                more = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if more is _STOP:
+                jobs.put(_STOP)
+                break
+            batch.append(more)
+        updater = ref()
+        if updater is None:
+            return
+        updater._run(batch)
+        del updater

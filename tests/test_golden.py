@@ -101,10 +101,10 @@ E4M3, E5M2 = (-6, 3, 448.0), (-14, 2, 57344.0)                     # (emin, mbit
 def spec_fp8_code(x: float, fmt, r16) -> int:
     """Round 0 <= x <= max onto the grid: the code, sign excluded (r16 None: nearest even)."""
     emin, mbits, _ = fmt
-    ee = max(((spec_bits(x) >> 23) & 0xFF) - 127, emin)
-    t = x * 2.0 ** (mbits - ee)                                   # exact: a power of two
-    y = math.floor(spec_f32(t + r16 * 2.0 ** -16)) if r16 is not None else round(t)
-    return ((ee - emin) << mbits) + y
+    b = spec_bits(spec_f32(x * 2.0 ** (-126 - emin)))            # the fp8 grid on fp32's
+    drop = 23 - mbits
+    rnd = r16 << (7 - mbits) if r16 is not None else (1 << (drop - 1)) - 1 + ((b >> drop) & 1)
+    return (b + rnd) >> drop
 
 
 def spec_fp8_decode(c: int, fmt) -> float:
@@ -285,7 +285,25 @@ def test_golden_cases_exercise_the_rules_they_pin():
     assert fp8["exp_avg"][4] == fp8["exp_avg_sq"][4] == 0x7F
     assert fp8["master"][4] == 0x7FC00000 and fp8["out"][4] == 0x7FC0
     assert math.isfinite(spec_float(fp8["exp_avg_scale"][0]))
-    assert codecs.NUMERICS_VERSION == 2
+    assert codecs.NUMERICS_VERSION == 3
+
+
+# Section 3's integer rounding where it differs from version 2's grid-spacing form: in the
+# subnormal range the multiply onto the fp32 grid rounds (x, fmt, r16 or None -> code).
+GOLDEN_FP8_SUBNORMAL = [
+    (2.5 * 2.0 ** -9 + 2.0 ** -31, E4M3, None, 0x02),   # the multiply leaves a tie: even
+    (3.5 * 2.0 ** -9 + 2.0 ** -31, E4M3, None, 0x04),
+    (2.5 * 2.0 ** -16 + 2.0 ** -38, E5M2, None, 0x02),
+    (2.0 ** -9 * (1 - 2.0 ** -22), E4M3, 0, 0x01),       # rounds up onto the grid point
+]
+
+
+def test_spec_fp8_subnormal_rounding_matches_the_twin():  # C: selftest_golden.c
+    for x, fmt, r16, want in GOLDEN_FP8_SUBNORMAL:
+        assert spec_fp8_code(spec_f32(x), fmt, r16) == want
+        grid = codecs.E4M3_GRID if fmt is E4M3 else codecs.E5M2_GRID
+        r = None if r16 is None else torch.tensor([r16])
+        assert codecs.fp8_round_to_grid(torch.tensor([x]), grid, r).item() == want
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -205,23 +205,21 @@ AB_INLINE float ab_fp8_decode(uint32_t c, int emin, int mbits)
 AB_INLINE float ab_e4m3_decode(uint8_t c) { return ab_fp8_decode(c, AB_E4M3_EMIN, AB_E4M3_MBITS); }
 AB_INLINE float ab_e5m2_decode(uint8_t c) { return ab_fp8_decode(c, AB_E5M2_EMIN, AB_E5M2_MBITS); }
 
-/* Round 0 <= x <= max to the fp8 grid and return the code (sign excluded).
- * sr: y = floor(t + r16 * 2^-16), else y = rint(t) (half to even). */
+/* 2^(-126 - emin), the factor that puts the fp8 grid on the fp32 one (section 3): 2^-120 for
+ * E4M3, 2^-112 for E5M2, built from its exponent field 1 - emin. */
+AB_INLINE float ab_fp8_to_f32_grid(int emin) { return ab_as_f32((uint32_t)(1 - emin) << 23); }
+
+/* Round 0 <= x <= max to the fp8 grid and return the code (sign excluded), in the integer
+ * domain: z = x * 2^(-126-emin) (fp8 subnormals become fp32 subnormals), b = as_u32(z),
+ * sr: (b + (r16 << (7 - mbits))) >> (23 - mbits), else the same with half an ulp less one
+ * plus the kept lowest bit (nearest even). */
 AB_INLINE uint32_t ab_fp8_encode(float x, int emin, int mbits, int sr, uint32_t r16)
 {
-    int e = (int)(ab_as_u32(x) >> 23) - 127;            /* e = exponent_field(x) - 127 */
-    int ee = e > emin ? e : emin;                        /* ee = max(e, emin) */
-    float inv_q = ab_as_f32((uint32_t)(127 + mbits - ee) << 23);   /* 1/q = 2^(mbits-ee) */
-    float t = x * inv_q;                                 /* t = x * (1/q), exact */
-    uint32_t y;
-    if (sr) {
-        float u = (float)r16 * 1.52587890625e-5f;        /* u = r16 * 2^-16, exact */
-        y = (uint32_t)(t + u);                           /* floor(t + u), t + u >= 0 */
-    } else {
-        /* rint(t): t < 2^(mbits+1) << 2^23, so adding and removing 2^23 rounds half to even */
-        y = (uint32_t)((t + 8388608.0f) - 8388608.0f);
-    }
-    return ((uint32_t)(ee - emin) << mbits) + y;         /* code = ((ee-emin) << mbits) + y */
+    uint32_t b = ab_as_u32(x * ab_fp8_to_f32_grid(emin));   /* b = as_u32(x * 2^(-126-emin)) */
+    int drop = 23 - mbits;
+    if (sr)
+        return (b + (r16 << (7 - mbits))) >> drop;       /* 16 random bits below the kept */
+    return (b + (1u << (drop - 1)) - 1u + ((b >> drop) & 1u)) >> drop;    /* nearest even */
 }
 
 /* ---- the update of one element (section 1) ------------------------------------------------ */

@@ -212,21 +212,20 @@ AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float 
 AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
 {
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
-    const int cb = sr ? 2 : 0;
     const __m256i pick_m = _mm256_setr_epi8(
-        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i pick_v = _mm256_setr_epi8(
-        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1,
-        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1);
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
     __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
-    __m256 um = _mm256_setzero_ps(), uv = _mm256_setzero_ps();
+    __m256i rnd_m = _mm256_setzero_si256(), rnd_v = _mm256_setzero_si256();
     if (sr) {
-        /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
+         * r_v << 5 (E5M2) */
         __m256i r = avx2_mix32(_mm256_xor_si256(kh, b->idx));
-        um = _mm256_cvtepi32_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
-        uv = _mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16));
+        rnd_m = _mm256_srli_epi32(_mm256_slli_epi32(r, 16), 16 - (7 - AB_E4M3_MBITS));
+        rnd_v = _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
         b->idx = _mm256_add_epi32(b->idx, _mm256_set1_epi32(8));
     }
     /* x_m = min(|m| * inv_m, 448) */
@@ -234,15 +233,14 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
                               _mm256_set1_ps(AB_E4M3_MAX));
     /* x_v = min(s * inv_v, 57344) */
     __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, b->inv_v), _mm256_set1_ps(AB_E5M2_MAX));
-    __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
-    __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
+    __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
+    __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
     /* sign bit when m < 0 */
     __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
-    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg),
-                                              _mm256_set1_epi32(0x80 << (8 * cb))));
+    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
     /* a non-finite m or s: the NaN code */
     __m256 inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
-    __m256i nan_code = _mm256_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
+    __m256i nan_code = _mm256_set1_epi32((int)AB_FP8_NAN);
     __m256 fin_m = _mm256_cmp_ps(_mm256_and_ps(m, abs_mask), inf, _CMP_LT_OQ);
     __m256 fin_s = _mm256_cmp_ps(s, inf, _CMP_LT_OQ);
     cm = _mm256_blendv_epi8(nan_code, cm, _mm256_castps_si256(fin_m));

@@ -160,30 +160,22 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
     return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(x), sign));
 }
 
-/* fp8 encode of 4 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
+/* fp8 encode of 4 lanes 0 <= x <= max (ab_fp8_encode), codes in u32 lanes, in the integer
+ * domain: b = as_u32(x * 2^(-126-emin)), code = (b + rnd) >> (23-mbits) with rnd = r16 <<
+ * (7 - mbits) (SR) or 2^(22-mbits) - 1 + the kept lowest bit (nearest even). The shifts
+ * are by constants at every use (the function is always inlined). */
 AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, uint32x4_t r16)
 {
-    /* e = exponent_field(x) - 127 */
-    int32x4_t e = vsubq_s32(vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 23)),
-                            vdupq_n_s32(127));
-    /* ee = max(e, emin) */
-    int32x4_t ee = vmaxq_s32(e, vdupq_n_s32(emin));
-    /* 1/q = 2^(mbits - ee) */
-    float32x4_t inv_q = vreinterpretq_f32_s32(vshlq_n_s32(vsubq_s32(vdupq_n_s32(127 + mbits), ee), 23));
-    /* t = x * (1/q) */
-    float32x4_t t = vmulq_f32(x, inv_q);
-    uint32x4_t y;
+    const int drop = 23 - mbits;
+    uint32x4_t b = vreinterpretq_u32_f32(vmulq_f32(x, vdupq_n_f32(ab_fp8_to_f32_grid(emin))));
+    uint32x4_t rnd;
     if (sr) {
-        /* y = floor(t + u), u = r16 * 2^-16 */
-        float32x4_t u = vmulq_f32(vcvtq_f32_u32(r16), vdupq_n_f32(1.52587890625e-5f));
-        y = vcvtq_u32_f32(vaddq_f32(t, u));
+        rnd = vshlq_u32(r16, vdupq_n_s32(7 - mbits));
     } else {
-        /* y = rint(t) */
-        y = vcvtq_u32_f32(vrndnq_f32(t));
+        uint32x4_t odd = vandq_u32(vshlq_u32(b, vdupq_n_s32(-drop)), vdupq_n_u32(1));
+        rnd = vaddq_u32(odd, vdupq_n_u32((1u << (drop - 1)) - 1u));
     }
-    /* code = ((ee - emin) << mbits) + y */
-    uint32x4_t base = vreinterpretq_u32_s32(vshlq_s32(vsubq_s32(ee, vdupq_n_s32(emin)), vdupq_n_s32(mbits)));
-    return vaddq_u32(base, y);
+    return vshlq_u32(vaddq_u32(b, rnd), vdupq_n_s32(-drop));
 }
 
 /* ---- fp32 and bf16 moments ------------------------------------------------------------- */

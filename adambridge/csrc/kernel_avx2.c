@@ -75,6 +75,71 @@ AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m,
 /* The hash lanes: lo32 of the global index of element i; key folded with mix32(hi32). */
 #define AVX2_IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 
+/* Decode and update 8 elements from i; store p and fp32 moments; for bf16 moments return their
+ * codes in u32 lanes (*qm, *qv). */
+AB_INLINE __m256 avx2_flat_update8(const avx2_hyper *h, float *pp, const void *gp, void *mp,
+                                   void *vp, int64_t i, __m256i kh, __m256i idx, int G, int prec,
+                                   int sr, __m256i *qm, __m256i *qv)
+{
+    __m256 p = _mm256_loadu_ps(pp + i);
+    __m256 g = avx2_load_grad(gp, i, G);
+    __m256 m, v;
+    if (prec == AB_MOMENTS_F32) {
+        m = _mm256_loadu_ps((float *)mp + i);
+        v = _mm256_loadu_ps((float *)vp + i);
+    } else {
+        m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
+        v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
+    }
+    avx2_adamw(h, &p, g, &m, &v);
+    m = avx2_canon(m);                                 /* a NaN m or v: 0x7fc00000 */
+    v = avx2_canon(v);
+    _mm256_storeu_ps(pp + i, p);
+    if (prec == AB_MOMENTS_F32) {
+        _mm256_storeu_ps((float *)mp + i, m);
+        _mm256_storeu_ps((float *)vp + i, v);
+    } else if (sr) {
+        __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
+        /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+        *qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
+                                _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
+        /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+        *qv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v),
+                                _mm256_srli_epi32(r, 16)), 16);
+    } else {
+        *qm = avx2_bf16_rne(m);
+        *qv = avx2_bf16_rne(v);
+    }
+    return p;
+}
+
+/* 16 elements from i as two 8-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
+ * narrowed in pairs (avx2_narrow16x2) into one 32-byte store each. */
+AB_INLINE void avx2_flat_step16(const avx2_hyper *h, float *pp, const void *gp, void *mp,
+                                void *vp, void *op, int64_t i, __m256i kh, __m256i idx, int G,
+                                int O, int prec, int sr, int nt)
+{
+    __m256i qm0, qv0, qm1, qv1;
+    __m256i idx1 = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+    __m256 p0 = avx2_flat_update8(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, &qm0, &qv0);
+    __m256 p1 = avx2_flat_update8(h, pp, gp, mp, vp, i + 8, kh, idx1, G, prec, sr, &qm1, &qv1);
+    if (prec != AB_MOMENTS_F32) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)mp + i), avx2_narrow16x2(qm0, qm1));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)vp + i), avx2_narrow16x2(qv0, qv1));
+    }
+    if (O == AB_BF16) {
+        /* the copy: RNE of both halves, narrowed together */
+        __m256i c = avx2_narrow16x2(avx2_bf16_rne(p0), avx2_bf16_rne(p1));
+        if (nt)
+            _mm256_stream_si256((__m256i *)((uint16_t *)op + i), c);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)op + i), c);
+    } else {
+        avx2_store_out(op, i, p0, O, nt);
+        avx2_store_out(op, i + 8, p1, O, nt);
+    }
+}
+
 AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
                               int prec, int sr, int nt)
 {
@@ -88,46 +153,12 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
     int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
+    for (; i + 16 <= end; i += 16) {
         if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
             ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
                                 prec == AB_MOMENTS_F32 ? 4 : 2);
-        __m256 p = _mm256_loadu_ps(pp + i);
-        __m256 g = avx2_load_grad(gp, i, G);
-        __m256 m, v;
-        if (prec == AB_MOMENTS_F32) {
-            m = _mm256_loadu_ps((float *)mp + i);
-            v = _mm256_loadu_ps((float *)vp + i);
-        } else {
-            m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
-            v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
-        }
-        avx2_adamw(&h, &p, g, &m, &v);
-        m = avx2_canon(m);                             /* a NaN m or v: 0x7fc00000 */
-        v = avx2_canon(v);
-        _mm256_storeu_ps(pp + i, p);
-        if (prec == AB_MOMENTS_F32) {
-            _mm256_storeu_ps((float *)mp + i, m);
-            _mm256_storeu_ps((float *)vp + i, v);
-        } else {
-            __m256i qm, qv;
-            if (sr) {
-                __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
-                /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
-                qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
-                                       _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
-                /* qv = (as_u32(v) + (r >> 16)) >> 16 */
-                qv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v),
-                                       _mm256_srli_epi32(r, 16)), 16);
-                idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
-            } else {
-                qm = avx2_bf16_rne(m);
-                qv = avx2_bf16_rne(v);
-            }
-            _mm_storeu_si128((__m128i *)((uint16_t *)mp + i), avx2_narrow16(qm));
-            _mm_storeu_si128((__m128i *)((uint16_t *)vp + i), avx2_narrow16(qv));
-        }
-        avx2_store_out(op, i, p, O, nt);
+        avx2_flat_step16(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
+        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(16));
     }
     if (i < end)
         ab_update_scalar(t, i, end, 0);                /* tail: the scalar lines */

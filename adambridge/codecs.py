@@ -163,16 +163,17 @@ def bf16_decode(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_round_to_grid(x: torch.Tensor, grid: tuple[int, int],
                       r16: torch.Tensor | None) -> torch.Tensor:
-    """Round x >= 0 (already scaled to the format's range) onto the fp8 grid: the codes.
+    """Round x >= 0 (scaled to at most one ulp past the format's max) onto the fp8 grid.
 
     Integer domain (docs/numerics.md section 3): z = x * 2**(-126 - emin) puts the fp8 grid on
-    the fp32 one (fp8 subnormals on fp32 subnormals), then add 16 random bits (r16) or half
-    an ulp (nearest even, r16 None) below the kept bits and shift: int64 codes, no sign.
+    the fp32 one (fp8 subnormals on fp32 subnormals); its pattern, clamped to the NaN code's
+    (where only an infinite or NaN x reaches), plus 16 random bits (r16) or half an ulp
+    (nearest even, r16 None) below the kept bits, shifted: int64 codes, no sign.
     """
     emin, mbits = grid
     z = x * (2.0 ** (-126 - emin))               # exact but in the subnormal range
-    bits = _f32_bits(z)
     drop = 23 - mbits
+    bits = torch.clamp(_f32_bits(z), max=FP8_NAN_CODE << drop)
     if r16 is None:
         return (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop
     return (bits + (r16 << (drop - 16))) >> drop
@@ -195,9 +196,14 @@ def _per_element(block_values: torch.Tensor, n: int) -> torch.Tensor:
     return block_values.repeat_interleave(FP8_BLOCK)[:n]
 
 
-def _fp8_codes(codes: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int64 codes (sign included) as fp8 of dtype; a non-finite x takes the NaN code."""
-    codes = torch.where(torch.isfinite(x), codes, torch.full_like(codes, FP8_NAN_CODE))
+def _fp8_inverse_scale(top: float, amax: torch.Tensor) -> torch.Tensor:
+    """top / amax, or 0 where that is not finite (amax 0, or so small the quotient overflows)."""
+    # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
+    inv = torch.full_like(amax, top) / amax
+    return torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))
+
+
+def _as_fp8(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return codes.to(torch.uint8).view(dtype)
 
 
@@ -208,20 +214,18 @@ def fp8_encode_m(m: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tenso
     """
     amax = _block_absmax(m)
     scale = amax / E4M3_MAX
-    # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
-    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(_finite_or_zero(m.abs()) * _per_element(inv, m.numel()), max=E4M3_MAX)
-    codes = fp8_round_to_grid(x, E4M3_GRID, r16) | torch.where(m < 0, 0x80, 0)
-    return _fp8_codes(codes, m, torch.float8_e4m3fn), scale
+    x = m.abs() * _per_element(_fp8_inverse_scale(E4M3_MAX, amax), m.numel())
+    codes = fp8_round_to_grid(x, E4M3_GRID, r16)
+    codes = codes | torch.where((m < 0) & (codes != FP8_NAN_CODE), 0x80, 0)
+    return _as_fp8(codes, torch.float8_e4m3fn), scale
 
 
 def fp8_encode_sqrt_v(s: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """sqrt of the second moment (fp32, >= 0 or non-finite) -> (e5m2, scales)."""
     amax = _block_absmax(s)
     scale = amax / E5M2_MAX
-    inv = torch.where(amax > 0, torch.full_like(amax, E5M2_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(_finite_or_zero(s) * _per_element(inv, s.numel()), max=E5M2_MAX)
-    return _fp8_codes(fp8_round_to_grid(x, E5M2_GRID, r16), s, torch.float8_e5m2), scale
+    x = s * _per_element(_fp8_inverse_scale(E5M2_MAX, amax), s.numel())
+    return _as_fp8(fp8_round_to_grid(x, E5M2_GRID, r16), torch.float8_e5m2), scale
 
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -215,11 +215,12 @@ AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scal
                                 float amax_m, float amax_s)
 {
     /* scale_m = amax_m / 448; scale_v = amax_s / 57344;
-     * inv_m = amax_m > 0 ? 448 / amax_m : 0; inv_v = amax_s > 0 ? 57344 / amax_s : 0
-     * (one divps for the four quotients) */
+     * inv_m = 448 / amax_m, inv_v = 57344 / amax_s, each 0 where not finite (amax 0, or too
+     * small for the quotient; the scales are always finite) (one divps for the four) */
     __m128 num = _mm_setr_ps(amax_m, amax_s, AB_E4M3_MAX, AB_E5M2_MAX);
     __m128 den = _mm_setr_ps(AB_E4M3_MAX, AB_E5M2_MAX, amax_m, amax_s);
-    __m128 q = _mm_and_ps(_mm_div_ps(num, den), _mm_cmpgt_ps(den, _mm_setzero_ps()));
+    __m128 q = _mm_div_ps(num, den);
+    q = _mm_and_ps(q, _mm_cmplt_ps(q, _mm_set1_ps(ab_as_f32(0x7f800000u))));
     _mm_store_ss(scale_m, q);
     _mm_store_ss(scale_v, _mm_shuffle_ps(q, q, 1));
     b->inv_m = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 2));
@@ -259,23 +260,16 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
         rnd_v = _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
         b->idx = _mm256_add_epi32(b->idx, _mm256_set1_epi32(8));
     }
-    /* x_m = min(|m| * inv_m, 448) */
-    __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
-                              _mm256_set1_ps(AB_E4M3_MAX));
-    /* x_v = min(s * inv_v, 57344) */
-    __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, b->inv_v), _mm256_set1_ps(AB_E5M2_MAX));
-    __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
-    __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
-    /* sign bit when m < 0 */
-    __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
-    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80)));
-    /* a non-finite m or s: the NaN code */
-    __m256 inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
-    __m256i nan_code = _mm256_set1_epi32((int)AB_FP8_NAN);
-    __m256 fin_m = _mm256_cmp_ps(_mm256_and_ps(m, abs_mask), inf, _CMP_LT_OQ);
-    __m256 fin_s = _mm256_cmp_ps(s, inf, _CMP_LT_OQ);
-    cm = _mm256_blendv_epi8(nan_code, cm, _mm256_castps_si256(fin_m));
-    cv = _mm256_blendv_epi8(nan_code, cv, _mm256_castps_si256(fin_s));
+    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
+                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
+    __m256i cv = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
+                                 rnd_v);
+    /* sign bit when m < 0 and the code is not the NaN code */
+    __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(cm, _mm256_set1_epi32((int)AB_FP8_NAN)),
+                                      _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(),
+                                                                        _CMP_LT_OQ)));
+    cm = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));

@@ -105,14 +105,16 @@ AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
     return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)AB_CANON_NAN)), nan);
 }
 
-/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32
- * lane, in the integer domain: b = as_u32(x * 2^(-126-emin)), code = (b + rnd) >> (23-mbits)
- * with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the kept lowest
- * bit (nearest even). */
+/* fp8 encode of 8 lanes x >= 0, at most one ulp past max, or non-finite (ab_fp8_encode), the
+ * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
+ * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
+ * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
+ * kept lowest bit (nearest even). */
 AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i rnd)
 {
     const int drop = 23 - mbits;
     __m256i b = _mm256_castps_si256(_mm256_mul_ps(x, _mm256_set1_ps(ab_fp8_to_f32_grid(emin))));
+    b = _mm256_min_epu32(b, _mm256_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, drop), _mm256_set1_epi32(1));
         rnd = _mm256_add_epi32(odd, _mm256_set1_epi32((1 << (drop - 1)) - 1));

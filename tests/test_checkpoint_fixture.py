@@ -62,8 +62,9 @@ def test_fixture_next_step_bits_are_pinned(precision, backend):
 
 
 def test_version_2_fixture_loads_and_steps_to_the_same_bits(backend):
-    # Version 3 changed only fp8 rounding in the fp8 subnormal range; the stored state means
-    # the same, so a version-2 checkpoint resumes (here: no element meets the difference).
+    # Version 3 changed only how new fp8 codes round (subnormal range, blocks of m < 1e-36);
+    # the stored state means the same, so a version-2 checkpoint resumes (here no element
+    # meets the difference).
     assert torch.load(FIXTURE_V2, weights_only=True)["numerics"] == 2
     for precision in PRECISIONS:
         assert _step_from_fixture(precision, backend, FIXTURE_V2) == PINNED[precision]

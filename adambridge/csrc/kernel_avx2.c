@@ -240,16 +240,11 @@ AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float 
     *amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
 }
 
-/* Pass 2 on 8 elements j..j+7 of a rescaled block: encode m and s, store the codes. */
-AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes. */
+AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, __m256i *cm_out,
+                               __m256i *cv_out)
 {
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i pick_m = _mm256_setr_epi8(
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i pick_v = _mm256_setr_epi8(
-        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
     __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
     __m256i rnd_m = _mm256_setzero_si256(), rnd_v = _mm256_setzero_si256();
     if (sr) {
@@ -263,18 +258,51 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
     /* x_m = |m| * inv_m; x_v = s * inv_v */
     __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
                                  AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
-    __m256i cv = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
-                                 rnd_v);
+    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code */
     __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(cm, _mm256_set1_epi32((int)AB_FP8_NAN)),
                                       _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(),
                                                                         _CMP_LT_OQ)));
-    cm = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+    *cm_out = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+}
+
+/* Pass 2 on 8 elements j..j+7: encode m and s, store the codes. */
+AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+{
+    const __m256i pick_m = _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick_v = _mm256_setr_epi8(
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i cm, cv;
+    avx2_fp8_codes8(b, j, kh, sr, &cm, &cv);
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64((__m128i *)(b->qm + j), mv);
     _mm_storeu_si64(b->qv + j, _mm_unpackhi_epi64(mv, mv)); /* unaligned: qv + j is any byte */
+}
+
+/* Four vectors of 8 codes (u32 lanes, each <= 0xff) -> 32 bytes in order: two packus to u16
+ * and one to u8 (each interleaving the 128-bit lanes), then one dword permute, where four
+ * avx2_fp8_encode8 stores would take six shuffles each. */
+AB_INLINE __m256i avx2_pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3)
+{
+    __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Pass 2 on 32 elements j..j+31: encode m and s, one 32-byte store each. */
+AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+{
+    __m256i cm0, cv0, cm1, cv1, cm2, cv2, cm3, cv3;
+    avx2_fp8_codes8(b, j, kh, sr, &cm0, &cv0);
+    avx2_fp8_codes8(b, j + 8, kh, sr, &cm1, &cv1);
+    avx2_fp8_codes8(b, j + 16, kh, sr, &cm2, &cv2);
+    avx2_fp8_codes8(b, j + 24, kh, sr, &cm3, &cv3);
+    _mm256_storeu_si256((__m256i *)(b->qm + j), avx2_pack_codes32(cm0, cm1, cm2, cm3));
+    _mm256_storeu_si256((__m256i *)(b->qv + j), avx2_pack_codes32(cv0, cv1, cv2, cv3));
 }
 
 /* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;
@@ -303,7 +331,9 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
                                            AVX2_IOTA)};
     avx2_fp8_rescale(&b, scale_m, scale_v, amax_m, amax_s);
     float inv_m = _mm256_cvtss_f32(b.inv_m), inv_v = _mm256_cvtss_f32(b.inv_v);
-    for (j = 0; j + 8 <= n; j += 8)
+    for (j = 0; j + 32 <= n; j += 32)
+        avx2_fp8_encode32(&b, j, kh, sr);
+    for (; j + 8 <= n; j += 8)
         avx2_fp8_encode8(&b, j, kh, sr);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;

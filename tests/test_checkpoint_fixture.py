@@ -2,12 +2,13 @@
 
 tests/data/checkpoint_fixture.pt holds a parameter, its gradient and one AdamBridge
 checkpoint per precision, written by numerics version 3 (checkpoint_fixture_v2.pt: the same
-written by version 2, which version 3 loads, codecs.LOADABLE_NUMERICS). Loading it and taking one step must
-give exactly the pinned sha256 of the parameter and the stored state, on the torch backend
-and the native kernel alike. A change of arithmetic therefore fails here until it is made
-on purpose: bump codecs.NUMERICS_VERSION (old checkpoints are then refused with a message
-naming both versions), regenerate with ``python tests/test_checkpoint_fixture.py``, and
-update the digests below in the same commit.
+written by version 2, which version 3 loads, codecs.LOADABLE_NUMERICS). Loading it and taking
+one step must give exactly the pinned sha256 of the parameter and the stored state, on the
+torch backend and the native kernel alike. A change of arithmetic therefore fails here until
+it is made on purpose: bump codecs.NUMERICS_VERSION (old checkpoints are then refused with a
+message naming both versions, unless their state means the same: LOADABLE_NUMERICS),
+regenerate with ``python tests/test_checkpoint_fixture.py``, and update the digests below in
+the same commit.
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ E4M3, E5M2 = (-6, 3, 448.0), (-14, 2, 57344.0)                     # (emin, mbit
 
 
 def spec_fp8_code(x: float, fmt, r16) -> int:
-    """Round x >= 0 (or inf, NaN) onto the grid: the code, sign excluded (r16 None: nearest even)."""
+    """Round x >= 0 (or inf, NaN) onto the grid: the code without sign (r16 None: nearest)."""
     emin, mbits, _ = fmt
     drop = 23 - mbits
     z = spec_f32(x * 2.0 ** (-126 - emin))                       # the fp8 grid on fp32's

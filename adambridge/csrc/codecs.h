@@ -209,6 +209,19 @@ AB_INLINE float ab_e5m2_decode(uint8_t c) { return ab_fp8_decode(c, AB_E5M2_EMIN
  * E4M3, 2^-112 for E5M2, built from its exponent field 1 - emin. */
 AB_INLINE float ab_fp8_to_f32_grid(int emin) { return ab_as_f32((uint32_t)(1 - emin) << 23); }
 
+/* NOTE: the SIMD kernels compute as_u32(x * 2^(-126-emin)) for E4M3 without the multiply:
+ * where x is an fp8 subnormal the product is an fp32 subnormal, and on x86 every vector
+ * multiply with a subnormal result takes a microcode assist (~150 cycles; a block with one
+ * outlier made the whole fp8 update 3.5x slower). The same bits come from two candidates,
+ *   small  = as_u32(x + 2^emin) - ((127 + emin) << 23)   (x + 2^emin rounds x at 2^(emin-23),
+ *            the subnormal product's spacing, ties to even alike; right for x < 2^emin)
+ *   normal = as_u32(x) - ((126 + emin) << 23)              (the exact product for x >= 2^emin)
+ * and their signed maximum is the right one: RN(x + 2^emin) <= 2x exactly when x >= 2^emin,
+ * >= 2x when x < 2^emin, and as_u32(2x) - ((127 + emin) << 23) is `normal`. For an infinite or
+ * NaN x both are above the NaN code's pattern as unsigned, so the clamp still gives 0x7f.
+ * E5M2 keeps the multiply: its subnormal range starts 2^-14 / 57344 below the block's largest
+ * sqrt(v), which practically never holds an element. */
+
 /* Round x >= 0, at most one ulp past max (or inf, NaN), to the fp8 grid and return the code
  * (sign excluded), in the integer domain: z = x * 2^(-126-emin) (fp8 subnormals become fp32
  * subnormals), b = min(as_u32(z), 0x7f << (23 - mbits)) (only a non-finite x reaches the NaN

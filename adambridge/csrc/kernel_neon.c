@@ -167,7 +167,16 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
 AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, uint32x4_t r16)
 {
     const int drop = 23 - mbits;
-    uint32x4_t b = vreinterpretq_u32_f32(vmulq_f32(x, vdupq_n_f32(ab_fp8_to_f32_grid(emin))));
+    uint32x4_t b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h: Arm has no assist, but the bits must match) */
+        float32x4_t y = vaddq_f32(x, vdupq_n_f32(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        int32x4_t small = vsubq_s32(vreinterpretq_s32_f32(y), vdupq_n_s32((127 + emin) << 23));
+        int32x4_t normal = vsubq_s32(vreinterpretq_s32_f32(x), vdupq_n_s32((126 + emin) << 23));
+        b = vreinterpretq_u32_s32(vmaxq_s32(small, normal));
+    } else {
+        b = vreinterpretq_u32_f32(vmulq_f32(x, vdupq_n_f32(ab_fp8_to_f32_grid(emin))));
+    }
     b = vminq_u32(b, vdupq_n_u32(AB_FP8_NAN << drop));     /* a non-finite x: the NaN code */
     uint32x4_t rnd;
     if (sr) {

@@ -113,7 +113,16 @@ AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
 AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i rnd)
 {
     const int drop = 23 - mbits;
-    __m256i b = _mm256_castps_si256(_mm256_mul_ps(x, _mm256_set1_ps(ab_fp8_to_f32_grid(emin))));
+    __m256i b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h): max(small, normal) */
+        __m256 y = _mm256_add_ps(x, _mm256_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        __m256i small = _mm256_sub_epi32(_mm256_castps_si256(y), _mm256_set1_epi32((127 + emin) << 23));
+        __m256i normal = _mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32((126 + emin) << 23));
+        b = _mm256_max_epi32(small, normal);
+    } else {
+        b = _mm256_castps_si256(_mm256_mul_ps(x, _mm256_set1_ps(ab_fp8_to_f32_grid(emin))));
+    }
     b = _mm256_min_epu32(b, _mm256_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, drop), _mm256_set1_epi32(1));

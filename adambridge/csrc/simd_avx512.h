@@ -134,7 +134,16 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
 AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i rnd)
 {
     const int drop = 23 - mbits;
-    __m512i b = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(ab_fp8_to_f32_grid(emin))));
+    __m512i b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h): max(small, normal) */
+        __m512 y = _mm512_add_ps(x, _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        __m512i small = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32((127 + emin) << 23));
+        __m512i normal = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32((126 + emin) << 23));
+        b = _mm512_max_epi32(small, normal);
+    } else {
+        b = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(ab_fp8_to_f32_grid(emin))));
+    }
     b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, drop), _mm512_set1_epi32(1));

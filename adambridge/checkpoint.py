@@ -105,7 +105,9 @@ def _saved_meta(state_dict: dict, saved_groups: list) -> dict:
     if "precision" in meta:
         meta["precision"] = check.precision(meta["precision"],
                                             name=f"checkpoint precision {where['precision']}")
-    if meta.get("numerics", host_state.NUMERICS_VERSION) != host_state.NUMERICS_VERSION:
+    # NOTE: an older version whose stored state means the same (codecs.LOADABLE_NUMERICS)
+    # loads; its later steps round as this version does.
+    if meta.get("numerics", host_state.NUMERICS_VERSION) not in codecs.LOADABLE_NUMERICS:
         raise ValueError(f"Checkpoint {where['numerics']} is {meta['numerics']!r}, this "
                          f"adambridge computes numerics {host_state.NUMERICS_VERSION}; resume "
                          f"with the adambridge version that wrote it")

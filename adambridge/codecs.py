@@ -16,7 +16,11 @@ import torch
 # values. Checkpoints record it, so a resume under other numerics is a visible decision.
 #   1: the first release (two divisions per element; a non-finite fp8 element spoils its block)
 #   2: one division (step_hat, eps_hat); canonical NaN; fp8 block scales skip non-finite values
-NUMERICS_VERSION = 2
+#   3: fp8 rounding in the integer domain on the fp32 pattern (numerics.md section 3)
+NUMERICS_VERSION = 3
+# Checkpoints of these versions load: 2 stores the same state (codes, scales, masters) with
+# the same meaning; only the rounding of later steps differs (docs/checkpoints.md).
+LOADABLE_NUMERICS = (2, 3)
 
 MASK32 = 0xFFFFFFFF
 FP8_BLOCK = 128
@@ -117,6 +121,7 @@ def hash_halves(key: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tenso
     return r & 0xFFFF, r >> 16
 
 
+
 # --------------------------------------------------------------------------- bf16
 
 def _f32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -156,30 +161,22 @@ def bf16_decode(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- fp8
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """2**exponent built from its bits (exact; exponent within the normal fp32 range)."""
-    return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
-
-
 def fp8_round_to_grid(x: torch.Tensor, grid: tuple[int, int],
                       r16: torch.Tensor | None) -> torch.Tensor:
-    """Round x >= 0 (already scaled to the format's range) onto the fp8 grid.
+    """Round x >= 0 (scaled to at most one ulp past the format's max) onto the fp8 grid.
 
-    Returns y * q, exactly representable in the format: y = floor(t + u) (stochastic) or
-    rint(t) (nearest even), t = x / q, q the grid spacing at x (docs/numerics.md section 3).
+    Integer domain (docs/numerics.md section 3): z = x * 2**(-126 - emin) puts the fp8 grid on
+    the fp32 one (fp8 subnormals on fp32 subnormals); its pattern, clamped to the NaN code's
+    (where only an infinite or NaN x reaches), plus 16 random bits (r16) or half an ulp
+    (nearest even, r16 None) below the kept bits, shifted: int64 codes, no sign.
     """
     emin, mbits = grid
-    exponent = ((_f32_bits(x) >> 23) & 0xFF) - 127
-    spacing_exp = torch.clamp(exponent, min=emin) - mbits
-    inv_q = _pow2(-spacing_exp)
-    q = _pow2(spacing_exp)
-    t = x * inv_q
+    z = x * (2.0 ** (-126 - emin))               # exact but in the subnormal range
+    drop = 23 - mbits
+    bits = torch.clamp(_f32_bits(z), max=FP8_NAN_CODE << drop)
     if r16 is None:
-        y = torch.round(t)                          # torch.round is half-to-even
-    else:
-        u = r16.float() * (2.0 ** -16)
-        y = torch.floor(t + u)
-    return y * q
+        return (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop
+    return (bits + (r16 << (drop - 16))) >> drop
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -199,10 +196,15 @@ def _per_element(block_values: torch.Tensor, n: int) -> torch.Tensor:
     return block_values.repeat_interleave(FP8_BLOCK)[:n]
 
 
-def _nan_code_where_not_finite(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    as_u8 = codes.view(torch.uint8)
-    as_u8 = torch.where(torch.isfinite(x), as_u8, torch.full_like(as_u8, FP8_NAN_CODE))
-    return as_u8.view(codes.dtype)
+def _fp8_inverse_scale(top: float, amax: torch.Tensor) -> torch.Tensor:
+    """top / amax, or 0 where that is not finite (amax 0, or so small the quotient overflows)."""
+    # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
+    inv = torch.full_like(amax, top) / amax
+    return torch.where(torch.isfinite(inv), inv, torch.zeros_like(inv))
+
+
+def _as_fp8(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(torch.uint8).view(dtype)
 
 
 def fp8_encode_m(m: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,22 +214,18 @@ def fp8_encode_m(m: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tenso
     """
     amax = _block_absmax(m)
     scale = amax / E4M3_MAX
-    # NOTE: scalar / tensor in torch is reciprocal-then-multiply; divide tensors to match C.
-    inv = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(_finite_or_zero(m.abs()) * _per_element(inv, m.numel()), max=E4M3_MAX)
-    rounded = fp8_round_to_grid(x, E4M3_GRID, r16)
-    signed = torch.where(m < 0, -rounded, rounded)
-    return _nan_code_where_not_finite(signed.to(torch.float8_e4m3fn), m), scale
+    x = m.abs() * _per_element(_fp8_inverse_scale(E4M3_MAX, amax), m.numel())
+    codes = fp8_round_to_grid(x, E4M3_GRID, r16)
+    codes = codes | torch.where((m < 0) & (codes != FP8_NAN_CODE), 0x80, 0)
+    return _as_fp8(codes, torch.float8_e4m3fn), scale
 
 
 def fp8_encode_sqrt_v(s: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """sqrt of the second moment (fp32, >= 0 or non-finite) -> (e5m2, scales)."""
     amax = _block_absmax(s)
     scale = amax / E5M2_MAX
-    inv = torch.where(amax > 0, torch.full_like(amax, E5M2_MAX) / amax, torch.zeros_like(amax))
-    x = torch.clamp(_finite_or_zero(s) * _per_element(inv, s.numel()), max=E5M2_MAX)
-    codes = fp8_round_to_grid(x, E5M2_GRID, r16).to(torch.float8_e5m2)
-    return _nan_code_where_not_finite(codes, s), scale
+    x = s * _per_element(_fp8_inverse_scale(E5M2_MAX, amax), s.numel())
+    return _as_fp8(fp8_round_to_grid(x, E5M2_GRID, r16), torch.float8_e5m2), scale
 
 
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

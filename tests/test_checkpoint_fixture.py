@@ -1,12 +1,14 @@
 """A checkpoint kept in the repository whose next step's bits are pinned (issue 16).
 
 tests/data/checkpoint_fixture.pt holds a parameter, its gradient and one AdamBridge
-checkpoint per precision, written by numerics version 2. Loading it and taking one step must
-give exactly the pinned sha256 of the parameter and the stored state, on the torch backend
-and the native kernel alike. A change of arithmetic therefore fails here until it is made
-on purpose: bump codecs.NUMERICS_VERSION (old checkpoints are then refused with a message
-naming both versions), regenerate with ``python tests/test_checkpoint_fixture.py``, and
-update the digests below in the same commit.
+checkpoint per precision, written by numerics version 3 (checkpoint_fixture_v2.pt: the same
+written by version 2, which version 3 loads, codecs.LOADABLE_NUMERICS). Loading it and taking
+one step must give exactly the pinned sha256 of the parameter and the stored state, on the
+torch backend and the native kernel alike. A change of arithmetic therefore fails here until
+it is made on purpose: bump codecs.NUMERICS_VERSION (old checkpoints are then refused with a
+message naming both versions, unless their state means the same: LOADABLE_NUMERICS),
+regenerate with ``python tests/test_checkpoint_fixture.py``, and update the digests below in
+the same commit.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from adambridge import AdamBridge, codecs
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint_fixture.pt"
+FIXTURE_V2 = Path(__file__).parent / "data" / "checkpoint_fixture_v2.pt"
 PRECISIONS = ("fp32", "bf16", "fp8")
 PINNED = {  # sha256 of (parameter, master, moments, scales) after one step from the fixture
     "fp32": "64c1b08b76d0d1b02dcd99ce0bce68969e2123876e4b9cdb36a1508d49312da0",
@@ -37,8 +40,8 @@ def _digest(param: torch.Tensor, state: dict) -> str:
     return h.hexdigest()
 
 
-def _step_from_fixture(precision: str, backend: str) -> str:
-    data = torch.load(FIXTURE, weights_only=True)
+def _step_from_fixture(precision: str, backend: str, fixture: Path = FIXTURE) -> str:
+    data = torch.load(fixture, weights_only=True)
     param = torch.nn.Parameter(data["params"][precision].clone())
     opt = AdamBridge([param], lr=3e-3, weight_decay=0.1, precision=precision, backend=backend,
                      seed=7)
@@ -57,6 +60,25 @@ def test_fixture_was_written_by_this_numerics_version():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fixture_next_step_bits_are_pinned(precision, backend):
     assert _step_from_fixture(precision, backend) == PINNED[precision]
+
+
+def test_version_2_fixture_loads_and_steps_to_the_same_bits(backend):
+    # Version 3 changed only how new fp8 codes round (subnormal range, blocks of m < 1e-36);
+    # the stored state means the same, so a version-2 checkpoint resumes (here no element
+    # meets the difference).
+    assert torch.load(FIXTURE_V2, weights_only=True)["numerics"] == 2
+    for precision in PRECISIONS:
+        assert _step_from_fixture(precision, backend, FIXTURE_V2) == PINNED[precision]
+
+
+def test_version_1_checkpoint_is_refused_in_one_line():
+    data = torch.load(FIXTURE_V2, weights_only=True)
+    checkpoint = data["checkpoints"]["fp8"]
+    for group in checkpoint["param_groups"]:
+        group["numerics"] = 1
+    opt = AdamBridge([torch.nn.Parameter(data["params"]["fp8"].clone())], precision="fp8")
+    with pytest.raises(ValueError, match=r"is 1, this adambridge computes numerics 3; resume"):
+        opt.load_state_dict(checkpoint)
 
 
 def _regenerate() -> None:

@@ -76,6 +76,10 @@ def test_bf16_second_moment_freezes_with_nearest_and_tracks_with_stochastic_roun
     assert abs(v_sr.float().mean().item() - exact) < 2e-3
 
 
+def _fp8_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(torch.uint8).view(dtype).float()
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_every_code_round_trips(fmt):
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
@@ -83,8 +87,8 @@ def test_fp8_every_code_round_trips(fmt):
     codes = torch.arange(0, 128, dtype=torch.uint8).view(dtype)
     values = codes.float()
     finite = torch.isfinite(values)
-    again = codecs.fp8_round_to_grid(values[finite], grid, None).to(dtype)
-    assert torch.equal(again.view(torch.uint8), codes[finite].view(torch.uint8))
+    again = codecs.fp8_round_to_grid(values[finite], grid, None).to(torch.uint8)
+    assert torch.equal(again, codes[finite].view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt,grid,top,dtype", [
@@ -92,7 +96,7 @@ def test_fp8_every_code_round_trips(fmt):
     ("e5m2", codecs.E5M2_GRID, codecs.E5M2_MAX, torch.float8_e5m2)])
 def test_fp8_nearest_error_is_at_most_half_the_grid_spacing(fmt, grid, top, dtype):
     x = torch.rand(50_000) ** 8 * top  # dense near zero: covers subnormals too
-    rounded = codecs.fp8_round_to_grid(x, grid, None)
+    rounded = _fp8_values(codecs.fp8_round_to_grid(x, grid, None), dtype)
     assert torch.equal(rounded, x.to(dtype).float())  # same as torch's own nearest cast
     emin, mbits = grid
     exponent = torch.floor(torch.log2(x.clamp(min=1e-30))).clamp(min=emin)
@@ -104,9 +108,38 @@ def test_fp8_stochastic_rounding_is_unbiased():
     value = 0.3 * codecs.E4M3_MAX / 7
     x = torch.full((N_REPEATS,), value)
     r_m, _ = codecs.hash_halves(codecs.stream_key(3, 1, 0), 0, N_REPEATS)
-    rounded = codecs.fp8_round_to_grid(x, codecs.E4M3_GRID, r_m)
+    rounded = _fp8_values(codecs.fp8_round_to_grid(x, codecs.E4M3_GRID, r_m), torch.float8_e4m3fn)
     ulp = rounded.max().item() - rounded.min().item()
     assert abs(rounded.double().mean().item() - value) < 5 * ulp * 0.5 / N_REPEATS ** 0.5
+
+
+def _grid_spacing_round(x: torch.Tensor, grid, r16: torch.Tensor) -> torch.Tensor:
+    # Numerics version 2's float formulation: y = floor(x / q + r16 * 2**-16) times q.
+    emin, mbits = grid
+    exponent = torch.floor(torch.log2(x.double())).clamp(min=emin)
+    q = torch.pow(2.0, exponent - mbits)
+    return torch.floor(x.double() / q + r16.double() * 2.0 ** -16) * q
+
+
+@pytest.mark.parametrize("fmt,grid,top,dtype", [
+    ("e4m3", codecs.E4M3_GRID, codecs.E4M3_MAX, torch.float8_e4m3fn),
+    ("e5m2", codecs.E5M2_GRID, codecs.E5M2_MAX, torch.float8_e5m2)])
+def test_fp8_integer_stochastic_rounding_equals_the_grid_spacing_form_for_normal_x(
+        fmt, grid, top, dtype):
+    # docs/numerics.md section 3: adding r16 below the kept bits of the fp32 pattern is
+    # floor(t + r16 * 2**-16) wherever x is an fp8 normal; only the subnormal range may differ.
+    x = torch.rand(N_REPEATS) ** 4 * top
+    x = x[x >= 2.0 ** grid[0]]
+    r16, _ = codecs.hash_halves(codecs.stream_key(5, 1, 0), 0, x.numel())
+    got = _fp8_values(codecs.fp8_round_to_grid(x, grid, r16), dtype).double()
+    assert torch.equal(got, _grid_spacing_round(x, grid, r16))
+
+
+def test_fp8_subnormal_tie_made_by_the_grid_multiply_rounds_to_even():
+    # x = 2.5 E4M3 subnormal steps + 2**-31: x * 2**-120 rounds the 2**-31 away (below half of
+    # 2**-149), leaving a tie that nearest-even sends to 2 steps (version 2 gave 3).
+    x = torch.tensor([2.5 * 2.0 ** -9 + 2.0 ** -31])
+    assert codecs.fp8_round_to_grid(x, codecs.E4M3_GRID, None).item() == 2
 
 
 def test_fp8_block_codec_relative_error_bound():

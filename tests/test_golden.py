@@ -99,12 +99,13 @@ E4M3, E5M2 = (-6, 3, 448.0), (-14, 2, 57344.0)                     # (emin, mbit
 
 
 def spec_fp8_code(x: float, fmt, r16) -> int:
-    """Round 0 <= x <= max onto the grid: the code, sign excluded (r16 None: nearest even)."""
+    """Round x >= 0 (or inf, NaN) onto the grid: the code without sign (r16 None: nearest)."""
     emin, mbits, _ = fmt
-    ee = max(((spec_bits(x) >> 23) & 0xFF) - 127, emin)
-    t = x * 2.0 ** (mbits - ee)                                   # exact: a power of two
-    y = math.floor(spec_f32(t + r16 * 2.0 ** -16)) if r16 is not None else round(t)
-    return ((ee - emin) << mbits) + y
+    drop = 23 - mbits
+    z = spec_f32(x * 2.0 ** (-126 - emin))                       # the fp8 grid on fp32's
+    b = min(spec_bits(z) if z == z else 0x7FC00000, 0x7F << drop)
+    rnd = r16 << (7 - mbits) if r16 is not None else (1 << (drop - 1)) - 1 + ((b >> drop) & 1)
+    return (b + rnd) >> drop
 
 
 def spec_fp8_decode(c: int, fmt) -> float:
@@ -126,13 +127,18 @@ def spec_fp8_block(ms, ss, r_m, r_v):
     scale_m, scale_v = spec_f32(amax_m / 448.0), spec_f32(amax_s / 57344.0)
     inv_m = spec_f32(448.0 / amax_m) if amax_m > 0 else 0.0
     inv_v = spec_f32(57344.0 / amax_s) if amax_s > 0 else 0.0
+    inv_m, inv_v = (inv if finite(inv) else 0.0 for inv in (inv_m, inv_v))
     codes_m, codes_s = [], []
     for m, s, rm, rv in zip(ms, ss, r_m, r_v):
-        cm = spec_fp8_code(min(spec_f32(abs(m) * inv_m), 448.0), E4M3, rm) if finite(m) else 0x7F
-        codes_m.append(cm | (0x80 if finite(m) and m < 0 else 0))
-        codes_s.append(spec_fp8_code(min(spec_f32(s * inv_v), 57344.0), E5M2, rv)
-                       if finite(s) else 0x7F)
+        cm = spec_fp8_code(spec_mul(abs(m), inv_m), E4M3, rm)
+        codes_m.append(cm | (0x80 if m < 0 and cm != 0x7F else 0))
+        codes_s.append(spec_fp8_code(spec_mul(s, inv_v), E5M2, rv))
     return codes_m, codes_s, scale_m, scale_v
+
+
+def spec_mul(a: float, b: float) -> float:
+    """One fp32 multiply, inf times 0 included (NaN)."""
+    return math.nan if math.isinf(a) and b == 0 else spec_f32(a * b)
 
 
 # ---------------------------------------------------------------- the golden cases
@@ -285,7 +291,60 @@ def test_golden_cases_exercise_the_rules_they_pin():
     assert fp8["exp_avg"][4] == fp8["exp_avg_sq"][4] == 0x7F
     assert fp8["master"][4] == 0x7FC00000 and fp8["out"][4] == 0x7FC0
     assert math.isfinite(spec_float(fp8["exp_avg_scale"][0]))
-    assert codecs.NUMERICS_VERSION == 2
+    assert codecs.NUMERICS_VERSION == 3
+
+
+# Section 3's integer rounding where it differs from version 2's grid-spacing form: in the
+# subnormal range the multiply onto the fp32 grid rounds (x, fmt, r16 or None -> code).
+GOLDEN_FP8_SUBNORMAL = [
+    (2.5 * 2.0 ** -9 + 2.0 ** -31, E4M3, None, 0x02),   # the multiply leaves a tie: even
+    (3.5 * 2.0 ** -9 + 2.0 ** -31, E4M3, None, 0x04),
+    (2.5 * 2.0 ** -16 + 2.0 ** -38, E5M2, None, 0x02),
+    (2.0 ** -9 * (1 - 2.0 ** -22), E4M3, 0, 0x01),       # rounds up onto the grid point
+]
+
+
+def _tiny_block_codes(backend: str) -> torch.Tensor:
+    # One step from zero moments: block 0's m peak at 1e-36 * 0.1 (448 / amax_m overflows);
+    # block 1 is ordinary, with an inf gradient and an element of each sign.
+    grad = torch.zeros(256)
+    grad[:4] = torch.tensor([1e-35, -3e-36, 0.0, 5e-37])
+    grad[128:132] = torch.tensor([0.5, -math.inf, -0.25, 1e-3])
+    state = host_state.new_state(torch.zeros(256), "fp8", alias=False)
+    hyper = Hyper.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    item = UpdateItem(master=state["master"], grad=grad, exp_avg=state["exp_avg"],
+                      exp_avg_sq=state["exp_avg_sq"], exp_avg_scale=state["exp_avg_scale"],
+                      exp_avg_sq_scale=state["exp_avg_sq_scale"], out=None, offset=0, key=99,
+                      precision="fp8", stochastic_rounding=True, hyper=hyper)
+    adamw_update([item], backend)
+    return torch.cat([state["exp_avg"].view(torch.uint8), state["exp_avg_sq"].view(torch.uint8)])
+
+
+def test_block_too_small_to_scale_stores_zero_codes_on_every_backend():
+    # Section 3: inv_m = 448 / amax_m is inf for amax_m = 1e-36, so inv_m = 0 and the block's
+    # finite m are stored as code 0 (version 2 stored 0x7e, its twin disagreed); -inf: 0x7f.
+    want = _tiny_block_codes("torch")
+    assert want[:128].tolist() == [0, 0x80] + [0] * 126
+    assert want[128:132].tolist()[1] == 0x7F and want[256 + 129] == 0x7F
+    if not native_available():
+        pytest.fail("the native kernel did not build; run python -m adambridge info")
+    lib = loader.load().lib
+    previous = lib.ab_isa_active()
+    try:
+        for index, isa in enumerate(loader.ISA_NAMES):
+            if lib.ab_isa_supported(index):
+                assert lib.ab_set_isa(index) == 0
+                assert torch.equal(_tiny_block_codes("native"), want), isa
+    finally:
+        lib.ab_set_isa(previous)
+
+
+def test_spec_fp8_subnormal_rounding_matches_the_twin():  # C: selftest_golden.c
+    for x, fmt, r16, want in GOLDEN_FP8_SUBNORMAL:
+        assert spec_fp8_code(spec_f32(x), fmt, r16) == want
+        grid = codecs.E4M3_GRID if fmt is E4M3 else codecs.E5M2_GRID
+        r = None if r16 is None else torch.tensor([r16])
+        assert codecs.fp8_round_to_grid(torch.tensor([x]), grid, r).item() == want
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

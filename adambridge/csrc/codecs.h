@@ -205,23 +205,43 @@ AB_INLINE float ab_fp8_decode(uint32_t c, int emin, int mbits)
 AB_INLINE float ab_e4m3_decode(uint8_t c) { return ab_fp8_decode(c, AB_E4M3_EMIN, AB_E4M3_MBITS); }
 AB_INLINE float ab_e5m2_decode(uint8_t c) { return ab_fp8_decode(c, AB_E5M2_EMIN, AB_E5M2_MBITS); }
 
-/* Round 0 <= x <= max to the fp8 grid and return the code (sign excluded).
- * sr: y = floor(t + r16 * 2^-16), else y = rint(t) (half to even). */
+/* 2^(-126 - emin), the factor that puts the fp8 grid on the fp32 one (section 3): 2^-120 for
+ * E4M3, 2^-112 for E5M2, built from its exponent field 1 - emin. */
+AB_INLINE float ab_fp8_to_f32_grid(int emin) { return ab_as_f32((uint32_t)(1 - emin) << 23); }
+
+/* NOTE: the SIMD kernels compute as_u32(x * 2^(-126-emin)) for E4M3 without the multiply:
+ * where x is an fp8 subnormal the product is an fp32 subnormal, and on x86 every vector
+ * multiply with a subnormal result takes a microcode assist (~150 cycles; a block with one
+ * outlier made the whole fp8 update 3.5x slower). The same bits come from two candidates,
+ *   small  = as_u32(x + 2^emin) - ((127 + emin) << 23)   (x + 2^emin rounds x at 2^(emin-23),
+ *            the subnormal product's spacing, ties to even alike; right for x < 2^emin)
+ *   normal = as_u32(x) - ((126 + emin) << 23)              (the exact product for x >= 2^emin)
+ * and their signed maximum is the right one: RN(x + 2^emin) <= 2x exactly when x >= 2^emin,
+ * >= 2x when x < 2^emin, and as_u32(2x) - ((127 + emin) << 23) is `normal`. For an infinite or
+ * NaN x both are above the NaN code's pattern as unsigned, so the clamp still gives 0x7f.
+ * E5M2 keeps the multiply: its subnormal range starts 2^-14 / 57344 below the block's largest
+ * sqrt(v), which practically never holds an element. */
+
+/* Round x >= 0, at most one ulp past max (or inf, NaN), to the fp8 grid and return the code
+ * (sign excluded), in the integer domain: z = x * 2^(-126-emin) (fp8 subnormals become fp32
+ * subnormals), b = min(as_u32(z), 0x7f << (23 - mbits)) (only a non-finite x reaches the NaN
+ * code 0x7f), then sr: (b + (r16 << (7 - mbits))) >> (23 - mbits), else the same with half an
+ * ulp less one plus the kept lowest bit (nearest even). */
 AB_INLINE uint32_t ab_fp8_encode(float x, int emin, int mbits, int sr, uint32_t r16)
 {
-    int e = (int)(ab_as_u32(x) >> 23) - 127;            /* e = exponent_field(x) - 127 */
-    int ee = e > emin ? e : emin;                        /* ee = max(e, emin) */
-    float inv_q = ab_as_f32((uint32_t)(127 + mbits - ee) << 23);   /* 1/q = 2^(mbits-ee) */
-    float t = x * inv_q;                                 /* t = x * (1/q), exact */
-    uint32_t y;
-    if (sr) {
-        float u = (float)r16 * 1.52587890625e-5f;        /* u = r16 * 2^-16, exact */
-        y = (uint32_t)(t + u);                           /* floor(t + u), t + u >= 0 */
-    } else {
-        /* rint(t): t < 2^(mbits+1) << 2^23, so adding and removing 2^23 rounds half to even */
-        y = (uint32_t)((t + 8388608.0f) - 8388608.0f);
-    }
-    return ((uint32_t)(ee - emin) << mbits) + y;         /* code = ((ee-emin) << mbits) + y */
+    const int drop = 23 - mbits;
+    uint32_t b = ab_as_u32(x * ab_fp8_to_f32_grid(emin));    /* as_u32(x * 2^(-126-emin)) */
+    b = b < (AB_FP8_NAN << drop) ? b : (AB_FP8_NAN << drop); /* b = min(b, 0x7f << drop) */
+    if (sr)
+        return (b + (r16 << (7 - mbits))) >> drop;           /* 16 random bits below the kept */
+    return (b + (1u << (drop - 1)) - 1u + ((b >> drop) & 1u)) >> drop;    /* nearest even */
+}
+
+/* inv = top / amax, or 0 where that is not finite (amax == 0, or amax < top / FLT_MAX). */
+AB_INLINE float ab_fp8_inverse_scale(float top, float amax)
+{
+    float inv = amax > 0.0f ? top / amax : 0.0f;
+    return ab_finite(inv) ? inv : 0.0f;
 }
 
 /* ---- the update of one element (section 1) ------------------------------------------------ */
@@ -329,16 +349,13 @@ AB_INLINE void ab_fp8_elem_amax(float m, float s, float *amax_m, float *amax_s)
 AB_INLINE void ab_fp8_elem_encode(float m, float s, float inv_m, float inv_v, int sr, uint32_t r,
                                   uint8_t *qm, uint8_t *qv)
 {
-    float am = ab_as_f32(ab_as_u32(m) & 0x7fffffffu);
-    float xm = am * inv_m;                                    /* x_m = min(|m| * inv_m, 448) */
-    xm = xm < AB_E4M3_MAX ? xm : AB_E4M3_MAX;
-    float xv = s * inv_v;                                     /* x_v = min(s * inv_v, 57344) */
-    xv = xv < AB_E5M2_MAX ? xv : AB_E5M2_MAX;
+    float xm = ab_as_f32(ab_as_u32(m) & 0x7fffffffu) * inv_m;   /* x_m = |m| * inv_m */
+    float xv = s * inv_v;                                     /* x_v = s * inv_v */
     uint32_t cm = ab_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, r & 0xffffu);
     uint32_t cv = ab_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, r >> 16);
-    cm |= m < 0.0f ? 0x80u : 0u;                              /* sign when m < 0 */
-    *qm = (uint8_t)(ab_finite(m) ? cm : AB_FP8_NAN);          /* non-finite: the NaN code */
-    *qv = (uint8_t)(ab_finite(s) ? cv : AB_FP8_NAN);
+    cm |= m < 0.0f && cm != AB_FP8_NAN ? 0x80u : 0u;          /* sign: m < 0, not the NaN code */
+    *qm = (uint8_t)cm;
+    *qv = (uint8_t)cv;
 }
 
 /* Call CALL(G, O) with compile-time constants for the runtime grad dtype g and out dtype o,

@@ -75,6 +75,71 @@ AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m,
 /* The hash lanes: lo32 of the global index of element i; key folded with mix32(hi32). */
 #define AVX2_IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 
+/* Decode and update 8 elements from i; store p and fp32 moments; for bf16 moments return their
+ * codes in u32 lanes (*qm, *qv). */
+AB_INLINE __m256 avx2_flat_update8(const avx2_hyper *h, float *pp, const void *gp, void *mp,
+                                   void *vp, int64_t i, __m256i kh, __m256i idx, int G, int prec,
+                                   int sr, __m256i *qm, __m256i *qv)
+{
+    __m256 p = _mm256_loadu_ps(pp + i);
+    __m256 g = avx2_load_grad(gp, i, G);
+    __m256 m, v;
+    if (prec == AB_MOMENTS_F32) {
+        m = _mm256_loadu_ps((float *)mp + i);
+        v = _mm256_loadu_ps((float *)vp + i);
+    } else {
+        m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
+        v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
+    }
+    avx2_adamw(h, &p, g, &m, &v);
+    m = avx2_canon(m);                                 /* a NaN m or v: 0x7fc00000 */
+    v = avx2_canon(v);
+    _mm256_storeu_ps(pp + i, p);
+    if (prec == AB_MOMENTS_F32) {
+        _mm256_storeu_ps((float *)mp + i, m);
+        _mm256_storeu_ps((float *)vp + i, v);
+    } else if (sr) {
+        __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
+        /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+        *qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
+                                _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
+        /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+        *qv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v),
+                                _mm256_srli_epi32(r, 16)), 16);
+    } else {
+        *qm = avx2_bf16_rne(m);
+        *qv = avx2_bf16_rne(v);
+    }
+    return p;
+}
+
+/* 16 elements from i as two 8-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
+ * narrowed in pairs (avx2_narrow16x2) into one 32-byte store each. */
+AB_INLINE void avx2_flat_step16(const avx2_hyper *h, float *pp, const void *gp, void *mp,
+                                void *vp, void *op, int64_t i, __m256i kh, __m256i idx, int G,
+                                int O, int prec, int sr, int nt)
+{
+    __m256i qm0, qv0, qm1, qv1;
+    __m256i idx1 = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+    __m256 p0 = avx2_flat_update8(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, &qm0, &qv0);
+    __m256 p1 = avx2_flat_update8(h, pp, gp, mp, vp, i + 8, kh, idx1, G, prec, sr, &qm1, &qv1);
+    if (prec != AB_MOMENTS_F32) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)mp + i), avx2_narrow16x2(qm0, qm1));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)vp + i), avx2_narrow16x2(qv0, qv1));
+    }
+    if (O == AB_BF16) {
+        /* the copy: RNE of both halves, narrowed together */
+        __m256i c = avx2_narrow16x2(avx2_bf16_rne(p0), avx2_bf16_rne(p1));
+        if (nt)
+            _mm256_stream_si256((__m256i *)((uint16_t *)op + i), c);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)op + i), c);
+    } else {
+        avx2_store_out(op, i, p0, O, nt);
+        avx2_store_out(op, i + 8, p1, O, nt);
+    }
+}
+
 AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
                               int prec, int sr, int nt)
 {
@@ -88,46 +153,12 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
     int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
+    for (; i + 16 <= end; i += 16) {
         if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
             ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G),
                                 prec == AB_MOMENTS_F32 ? 4 : 2);
-        __m256 p = _mm256_loadu_ps(pp + i);
-        __m256 g = avx2_load_grad(gp, i, G);
-        __m256 m, v;
-        if (prec == AB_MOMENTS_F32) {
-            m = _mm256_loadu_ps((float *)mp + i);
-            v = _mm256_loadu_ps((float *)vp + i);
-        } else {
-            m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
-            v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
-        }
-        avx2_adamw(&h, &p, g, &m, &v);
-        m = avx2_canon(m);                             /* a NaN m or v: 0x7fc00000 */
-        v = avx2_canon(v);
-        _mm256_storeu_ps(pp + i, p);
-        if (prec == AB_MOMENTS_F32) {
-            _mm256_storeu_ps((float *)mp + i, m);
-            _mm256_storeu_ps((float *)vp + i, v);
-        } else {
-            __m256i qm, qv;
-            if (sr) {
-                __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
-                /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
-                qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
-                                       _mm256_and_si256(r, _mm256_set1_epi32(0xffff))), 16);
-                /* qv = (as_u32(v) + (r >> 16)) >> 16 */
-                qv = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v),
-                                       _mm256_srli_epi32(r, 16)), 16);
-                idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
-            } else {
-                qm = avx2_bf16_rne(m);
-                qv = avx2_bf16_rne(v);
-            }
-            _mm_storeu_si128((__m128i *)((uint16_t *)mp + i), avx2_narrow16(qm));
-            _mm_storeu_si128((__m128i *)((uint16_t *)vp + i), avx2_narrow16(qv));
-        }
-        avx2_store_out(op, i, p, O, nt);
+        avx2_flat_step16(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
+        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(16));
     }
     if (i < end)
         ab_update_scalar(t, i, end, 0);                /* tail: the scalar lines */
@@ -184,11 +215,12 @@ AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scal
                                 float amax_m, float amax_s)
 {
     /* scale_m = amax_m / 448; scale_v = amax_s / 57344;
-     * inv_m = amax_m > 0 ? 448 / amax_m : 0; inv_v = amax_s > 0 ? 57344 / amax_s : 0
-     * (one divps for the four quotients) */
+     * inv_m = 448 / amax_m, inv_v = 57344 / amax_s, each 0 where not finite (amax 0, or too
+     * small for the quotient; the scales are always finite) (one divps for the four) */
     __m128 num = _mm_setr_ps(amax_m, amax_s, AB_E4M3_MAX, AB_E5M2_MAX);
     __m128 den = _mm_setr_ps(AB_E4M3_MAX, AB_E5M2_MAX, amax_m, amax_s);
-    __m128 q = _mm_and_ps(_mm_div_ps(num, den), _mm_cmpgt_ps(den, _mm_setzero_ps()));
+    __m128 q = _mm_div_ps(num, den);
+    q = _mm_and_ps(q, _mm_cmplt_ps(q, _mm_set1_ps(ab_as_f32(0x7f800000u))));
     _mm_store_ss(scale_m, q);
     _mm_store_ss(scale_v, _mm_shuffle_ps(q, q, 1));
     b->inv_m = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 2));
@@ -208,50 +240,69 @@ AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float 
     *amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
 }
 
-/* Pass 2 on 8 elements j..j+7 of a rescaled block: encode m and s, store the codes. */
-AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes. */
+AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, __m256i *cm_out,
+                               __m256i *cv_out)
 {
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
-    const int cb = sr ? 2 : 0;
-    const __m256i pick_m = _mm256_setr_epi8(
-        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-        cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i pick_v = _mm256_setr_epi8(
-        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1,
-        -1, -1, -1, -1, cb, cb + 4, cb + 8, cb + 12, -1, -1, -1, -1, -1, -1, -1, -1);
     __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
-    __m256 um = _mm256_setzero_ps(), uv = _mm256_setzero_ps();
+    __m256i rnd_m = _mm256_setzero_si256(), rnd_v = _mm256_setzero_si256();
     if (sr) {
-        /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
+         * r_v << 5 (E5M2) */
         __m256i r = avx2_mix32(_mm256_xor_si256(kh, b->idx));
-        um = _mm256_cvtepi32_ps(_mm256_and_si256(r, _mm256_set1_epi32(0xffff)));
-        uv = _mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16));
+        rnd_m = _mm256_srli_epi32(_mm256_slli_epi32(r, 16), 16 - (7 - AB_E4M3_MBITS));
+        rnd_v = _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
         b->idx = _mm256_add_epi32(b->idx, _mm256_set1_epi32(8));
     }
-    /* x_m = min(|m| * inv_m, 448) */
-    __m256 xm = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
-                              _mm256_set1_ps(AB_E4M3_MAX));
-    /* x_v = min(s * inv_v, 57344) */
-    __m256 xv = _mm256_min_ps(_mm256_mul_ps(s, b->inv_v), _mm256_set1_ps(AB_E5M2_MAX));
-    __m256i cm = avx2_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
-    __m256i cv = avx2_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
-    /* sign bit when m < 0 */
-    __m256 neg = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ);
-    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_castps_si256(neg),
-                                              _mm256_set1_epi32(0x80 << (8 * cb))));
-    /* a non-finite m or s: the NaN code */
-    __m256 inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
-    __m256i nan_code = _mm256_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
-    __m256 fin_m = _mm256_cmp_ps(_mm256_and_ps(m, abs_mask), inf, _CMP_LT_OQ);
-    __m256 fin_s = _mm256_cmp_ps(s, inf, _CMP_LT_OQ);
-    cm = _mm256_blendv_epi8(nan_code, cm, _mm256_castps_si256(fin_m));
-    cv = _mm256_blendv_epi8(nan_code, cv, _mm256_castps_si256(fin_s));
+    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
+                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
+    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+    /* sign bit when m < 0 and the code is not the NaN code */
+    __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(cm, _mm256_set1_epi32((int)AB_FP8_NAN)),
+                                      _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(),
+                                                                        _CMP_LT_OQ)));
+    *cm_out = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+}
+
+/* Pass 2 on 8 elements j..j+7: encode m and s, store the codes. */
+AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+{
+    const __m256i pick_m = _mm256_setr_epi8(
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick_v = _mm256_setr_epi8(
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+        -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i cm, cv;
+    avx2_fp8_codes8(b, j, kh, sr, &cm, &cv);
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64((__m128i *)(b->qm + j), mv);
     _mm_storeu_si64(b->qv + j, _mm_unpackhi_epi64(mv, mv)); /* unaligned: qv + j is any byte */
+}
+
+/* Four vectors of 8 codes (u32 lanes, each <= 0xff) -> 32 bytes in order: two packus to u16
+ * and one to u8 (each interleaving the 128-bit lanes), then one dword permute, where four
+ * avx2_fp8_encode8 stores would take six shuffles each. */
+AB_INLINE __m256i avx2_pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3)
+{
+    __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Pass 2 on 32 elements j..j+31: encode m and s, one 32-byte store each. */
+AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+{
+    __m256i cm0, cv0, cm1, cv1, cm2, cv2, cm3, cv3;
+    avx2_fp8_codes8(b, j, kh, sr, &cm0, &cv0);
+    avx2_fp8_codes8(b, j + 8, kh, sr, &cm1, &cv1);
+    avx2_fp8_codes8(b, j + 16, kh, sr, &cm2, &cv2);
+    avx2_fp8_codes8(b, j + 24, kh, sr, &cm3, &cv3);
+    _mm256_storeu_si256((__m256i *)(b->qm + j), avx2_pack_codes32(cm0, cm1, cm2, cm3));
+    _mm256_storeu_si256((__m256i *)(b->qv + j), avx2_pack_codes32(cv0, cv1, cv2, cv3));
 }
 
 /* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;
@@ -280,7 +331,9 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
                                            AVX2_IOTA)};
     avx2_fp8_rescale(&b, scale_m, scale_v, amax_m, amax_s);
     float inv_m = _mm256_cvtss_f32(b.inv_m), inv_v = _mm256_cvtss_f32(b.inv_v);
-    for (j = 0; j + 8 <= n; j += 8)
+    for (j = 0; j + 32 <= n; j += 32)
+        avx2_fp8_encode32(&b, j, kh, sr);
+    for (; j + 8 <= n; j += 8)
         avx2_fp8_encode8(&b, j, kh, sr);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;

@@ -224,32 +224,26 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
                                       __m512i idx, int sr, __mmask16 k, int full)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
-    /* SR leaves each code in byte 2 of its u32 lane, RNE in byte 0 */
-    const int cb = sr ? 2 : 0;
     __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
-    __m512 um = _mm512_setzero_ps(), uv = _mm512_setzero_ps();
+    __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
     if (sr) {
-        /* r(i); r_m = r & 0xffff, r_v = r >> 16, as floats */
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
+         * r_v << 5 (E5M2) */
         __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
-        um = _mm512_cvtepi32_ps(_mm512_and_si512(r, _mm512_set1_epi32(0xffff)));
-        uv = _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 16));
+        rnd_m = _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 16 - (7 - AB_E4M3_MBITS));
+        rnd_v = _mm512_slli_epi32(_mm512_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
     }
-    /* x_m = min(|m| * inv_m, 448) */
-    __m512 xm = _mm512_min_ps(_mm512_mul_ps(avx512_abs(m), vinv_m), _mm512_set1_ps(AB_E4M3_MAX));
-    /* x_v = min(s * inv_v, 57344) */
-    __m512 xv = _mm512_min_ps(_mm512_mul_ps(s, vinv_v), _mm512_set1_ps(AB_E5M2_MAX));
-    __m512i cm = avx512_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr, um);
-    __m512i cv = avx512_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, uv);
-    /* sign bit when m < 0 */
+    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
+                                   AB_E4M3_MBITS, sr, rnd_m);
+    __m512i cv = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
+                                   rnd_v);
+    /* sign bit when m < 0 and the code is not the NaN code */
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
-    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80 << (8 * cb)));
-    /* a non-finite m or s: the NaN code */
-    __m512 inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
-    __m512i nan_code = _mm512_set1_epi32((int)(AB_FP8_NAN << (8 * cb)));
-    cm = _mm512_mask_mov_epi32(cm, _mm512_cmp_ps_mask(avx512_abs(m), inf, _CMP_NLT_UQ), nan_code);
-    cv = _mm512_mask_mov_epi32(cv, _mm512_cmp_ps_mask(s, inf, _CMP_NLT_UQ), nan_code);
-    avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cm, 8 * cb)), k, full);
-    avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(_mm512_srli_epi32(cv, 8 * cb)), k, full);
+    neg = _mm512_mask_cmpneq_epi32_mask(neg, cm, _mm512_set1_epi32((int)AB_FP8_NAN));
+    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
+    avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
+    avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -272,8 +266,8 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
-    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
-    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
+    float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
     for (j = 0; j + 16 <= n; j += 16) {

@@ -59,9 +59,8 @@ AB_INLINE float32x4_t neon_adamw(const neon_hyper *h, float32x4_t *p, float32x4_
     return s;
 }
 
-/* a > b ? a : b and a < b ? a : b, lane by lane (the scalar semantics, NaN included). */
+/* a > b ? a : b, lane by lane (the scalar semantics, NaN included). */
 AB_INLINE float32x4_t neon_max(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
-AB_INLINE float32x4_t neon_min(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
 /* x where |x| < inf, else 0 (the fp8 block max skips non-finite values) */
 AB_INLINE float32x4_t neon_finite_or_0(float32x4_t x)
 {
@@ -160,30 +159,33 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
     return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(x), sign));
 }
 
-/* fp8 encode of 4 lanes 0 <= x <= max (ab_fp8_encode); returns codes in u32 lanes. */
+/* fp8 encode of 4 lanes x >= 0, at most one ulp past max, or non-finite (ab_fp8_encode), codes
+ * in u32 lanes, in the integer domain: b = min(as_u32(x * 2^(-126-emin)), 0x7f << (23-mbits)),
+ * code = (b + rnd) >> (23-mbits) with rnd = r16 <<
+ * (7 - mbits) (SR) or 2^(22-mbits) - 1 + the kept lowest bit (nearest even). The shifts
+ * are by constants at every use (the function is always inlined). */
 AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, uint32x4_t r16)
 {
-    /* e = exponent_field(x) - 127 */
-    int32x4_t e = vsubq_s32(vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_f32(x), 23)),
-                            vdupq_n_s32(127));
-    /* ee = max(e, emin) */
-    int32x4_t ee = vmaxq_s32(e, vdupq_n_s32(emin));
-    /* 1/q = 2^(mbits - ee) */
-    float32x4_t inv_q = vreinterpretq_f32_s32(vshlq_n_s32(vsubq_s32(vdupq_n_s32(127 + mbits), ee), 23));
-    /* t = x * (1/q) */
-    float32x4_t t = vmulq_f32(x, inv_q);
-    uint32x4_t y;
-    if (sr) {
-        /* y = floor(t + u), u = r16 * 2^-16 */
-        float32x4_t u = vmulq_f32(vcvtq_f32_u32(r16), vdupq_n_f32(1.52587890625e-5f));
-        y = vcvtq_u32_f32(vaddq_f32(t, u));
+    const int drop = 23 - mbits;
+    uint32x4_t b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h: Arm has no assist, but the bits must match) */
+        float32x4_t y = vaddq_f32(x, vdupq_n_f32(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        int32x4_t small = vsubq_s32(vreinterpretq_s32_f32(y), vdupq_n_s32((127 + emin) << 23));
+        int32x4_t normal = vsubq_s32(vreinterpretq_s32_f32(x), vdupq_n_s32((126 + emin) << 23));
+        b = vreinterpretq_u32_s32(vmaxq_s32(small, normal));
     } else {
-        /* y = rint(t) */
-        y = vcvtq_u32_f32(vrndnq_f32(t));
+        b = vreinterpretq_u32_f32(vmulq_f32(x, vdupq_n_f32(ab_fp8_to_f32_grid(emin))));
     }
-    /* code = ((ee - emin) << mbits) + y */
-    uint32x4_t base = vreinterpretq_u32_s32(vshlq_s32(vsubq_s32(ee, vdupq_n_s32(emin)), vdupq_n_s32(mbits)));
-    return vaddq_u32(base, y);
+    b = vminq_u32(b, vdupq_n_u32(AB_FP8_NAN << drop));     /* a non-finite x: the NaN code */
+    uint32x4_t rnd;
+    if (sr) {
+        rnd = vshlq_u32(r16, vdupq_n_s32(7 - mbits));
+    } else {
+        uint32x4_t odd = vandq_u32(vshlq_u32(b, vdupq_n_s32(-drop)), vdupq_n_u32(1));
+        rnd = vaddq_u32(odd, vdupq_n_u32((1u << (drop - 1)) - 1u));
+    }
+    return vshlq_u32(vaddq_u32(b, rnd), vdupq_n_s32(-drop));
 }
 
 /* ---- fp32 and bf16 moments ------------------------------------------------------------- */
@@ -292,8 +294,8 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
     }
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
-    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
-    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
+    float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     float32x4_t vinv_m = vdupq_n_f32(inv_m), vinv_v = vdupq_n_f32(inv_v);
     static const uint32_t iota[4] = {0, 1, 2, 3};
     uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)(t->offset + b0)), vld1q_u32(iota));
@@ -301,19 +303,15 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         float32x4_t m = vld1q_f32(mbuf + j), s = vld1q_f32(sbuf + j);
         uint32x4_t r = sr ? neon_mix32(veorq_u32(kh, idx)) : vdupq_n_u32(0);
         idx = vaddq_u32(idx, vdupq_n_u32(4));
-        /* x_m = min(|m| * inv_m, 448) */
-        float32x4_t xm = neon_min(vmulq_f32(neon_abs(m), vinv_m), vdupq_n_f32(AB_E4M3_MAX));
-        /* x_v = min(s * inv_v, 57344) */
-        float32x4_t xv = neon_min(vmulq_f32(s, vinv_v), vdupq_n_f32(AB_E5M2_MAX));
-        uint32x4_t cm = neon_fp8_encode(xm, AB_E4M3_EMIN, AB_E4M3_MBITS, sr,
-                                        vandq_u32(r, vdupq_n_u32(0xffff)));
-        uint32x4_t cv = neon_fp8_encode(xv, AB_E5M2_EMIN, AB_E5M2_MBITS, sr, vshrq_n_u32(r, 16));
-        /* sign bit when m < 0 */
-        cm = vorrq_u32(cm, vandq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)), vdupq_n_u32(0x80)));
-        /* a non-finite m or s: the NaN code */
-        float32x4_t inf = vdupq_n_f32(ab_as_f32(0x7f800000u));
-        cm = vbslq_u32(vcltq_f32(neon_abs(m), inf), cm, vdupq_n_u32(AB_FP8_NAN));
-        cv = vbslq_u32(vcltq_f32(s, inf), cv, vdupq_n_u32(AB_FP8_NAN));
+        /* x_m = |m| * inv_m; x_v = s * inv_v */
+        uint32x4_t cm = neon_fp8_encode(vmulq_f32(neon_abs(m), vinv_m), AB_E4M3_EMIN,
+                                        AB_E4M3_MBITS, sr, vandq_u32(r, vdupq_n_u32(0xffff)));
+        uint32x4_t cv = neon_fp8_encode(vmulq_f32(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
+                                        vshrq_n_u32(r, 16));
+        /* sign bit when m < 0 and the code is not the NaN code */
+        uint32x4_t neg = vbicq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)),
+                                   vceqq_u32(cm, vdupq_n_u32(AB_FP8_NAN)));
+        cm = vorrq_u32(cm, vandq_u32(neg, vdupq_n_u32(0x80)));
         neon_store_u8x4(qm + j, cm);
         neon_store_u8x4(qv + j, cv);
     }

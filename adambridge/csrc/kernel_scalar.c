@@ -66,8 +66,8 @@ static void sc_fp8_block(const ab_tensor *t, int64_t b0, int64_t n)
     }
     *scale_m = amax_m / AB_E4M3_MAX;                          /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                          /* scale_v = amax_s / 57344 */
-    float inv_m = amax_m > 0.0f ? AB_E4M3_MAX / amax_m : 0.0f;
-    float inv_v = amax_s > 0.0f ? AB_E5M2_MAX / amax_s : 0.0f;
+    float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
+    float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     int sr = t->stochastic_rounding;
     for (int64_t j = 0; j < n; j++) {
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;

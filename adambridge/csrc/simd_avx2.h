@@ -45,6 +45,14 @@ AB_INLINE __m128i avx2_narrow16(__m256i x)
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
+/* Narrow two vectors of 8 u32 lanes holding values < 2^16 to 16 u16, in order: one packus
+ * (which interleaves the 128-bit lanes of a and b) and one qword permute, where two
+ * avx2_narrow16 would cost four shuffles. */
+AB_INLINE __m256i avx2_narrow16x2(__m256i a, __m256i b)
+{
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+}
+
 /* bf16 RNE on 8 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
 AB_INLINE __m256i avx2_bf16_rne(__m256 x)
 {
@@ -97,29 +105,30 @@ AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
     return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)AB_CANON_NAN)), nan);
 }
 
-/* fp8 encode of 8 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
- * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
- *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
- *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
- *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
- *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
- *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
- *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
- *   code = (d << mbits) + y. */
-AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256 r16)
+/* fp8 encode of 8 lanes x >= 0, at most one ulp past max, or non-finite (ab_fp8_encode), the
+ * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
+ * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
+ * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
+ * kept lowest bit (nearest even). */
+AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i rnd)
 {
-    int sh = sr ? 16 : 0;
-    /* d << 23, d = max(e, emin) - emin */
-    __m256i w = _mm256_subs_epu16(_mm256_castps_si256(x), _mm256_set1_epi32((127 + emin) << 23));
-    __m256i d23 = _mm256_and_si256(w, _mm256_set1_epi32((int)0xff800000u));
-    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
-    __m256 inv_q = _mm256_castsi256_ps(
-        _mm256_sub_epi32(_mm256_set1_epi32((127 + mbits + sh - emin) << 23), d23));
-    __m256 t = _mm256_mul_ps(x, inv_q);
-    /* y = floor(t + u) or y = rint(t) */
-    __m256i y = sr ? _mm256_cvttps_epi32(_mm256_add_ps(t, r16)) : _mm256_cvtps_epi32(t);
-    /* code = ((ee - emin) << mbits) + y */
-    return _mm256_add_epi32(y, _mm256_srli_epi32(d23, 23 - mbits - sh));
+    const int drop = 23 - mbits;
+    __m256i b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h): max(small, normal) */
+        __m256 y = _mm256_add_ps(x, _mm256_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        __m256i small = _mm256_sub_epi32(_mm256_castps_si256(y), _mm256_set1_epi32((127 + emin) << 23));
+        __m256i normal = _mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32((126 + emin) << 23));
+        b = _mm256_max_epi32(small, normal);
+    } else {
+        b = _mm256_castps_si256(_mm256_mul_ps(x, _mm256_set1_ps(ab_fp8_to_f32_grid(emin))));
+    }
+    b = _mm256_min_epu32(b, _mm256_set1_epi32((int)(AB_FP8_NAN << drop)));
+    if (!sr) {
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, drop), _mm256_set1_epi32(1));
+        rnd = _mm256_add_epi32(odd, _mm256_set1_epi32((1 << (drop - 1)) - 1));
+    }
+    return _mm256_srli_epi32(_mm256_add_epi32(b, rnd), drop);
 }
 
 #endif /* ADAMBRIDGE_SIMD_AVX2_H */

@@ -126,29 +126,30 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
     return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
 }
 
-/* fp8 encode of 16 lanes 0 <= x <= max (ab_fp8_encode), the code in bits 0-7 of each u32 lane
- * (rounding to nearest even) or in bits 16-23 (stochastic rounding, junk in bits 0-15):
- *   d = ee - emin = max(exponent_field(x) - (127 + emin), 0): a saturating u16 subtract on
- *       the high half, whose mantissa bits can never borrow, keeps d << 23 in the top bits;
- *   SR:  y = floor(t + u) with t = x * 2^(mbits - ee), u = r16 * 2^-16, computed 2^16 times
- *        larger: t * 2^16 + r16 rounds exactly as t + u does (scaling by 2^16 is exact and
- *        the sum is 0 or normal), and its truncation holds y in bits 16 and up;
- *   RNE: y = rint(t) (cvtps2dq in the default rounding mode, half to even);
- *   code = (d << mbits) + y. */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512 r16)
+/* fp8 encode of 16 lanes x >= 0, at most one ulp past max, or non-finite (ab_fp8_encode), the
+ * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
+ * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
+ * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
+ * kept lowest bit (nearest even). */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i rnd)
 {
-    int sh = sr ? 16 : 0;
-    /* d << 23, d = max(e, emin) - emin */
-    __m512i w = _mm512_subs_epu16(_mm512_castps_si512(x), _mm512_set1_epi32((127 + emin) << 23));
-    __m512i d23 = _mm512_and_si512(w, _mm512_set1_epi32((int)0xff800000u));
-    /* t = x * (1/q), 1/q = 2^(mbits - ee) (times 2^16 for SR) */
-    __m512 inv_q = _mm512_castsi512_ps(
-        _mm512_sub_epi32(_mm512_set1_epi32((127 + mbits + sh - emin) << 23), d23));
-    __m512 t = _mm512_mul_ps(x, inv_q);
-    /* y = floor(t + u) or y = rint(t) */
-    __m512i y = sr ? _mm512_cvttps_epi32(_mm512_add_ps(t, r16)) : _mm512_cvtps_epi32(t);
-    /* code = ((ee - emin) << mbits) + y */
-    return _mm512_add_epi32(y, _mm512_srli_epi32(d23, 23 - mbits - sh));
+    const int drop = 23 - mbits;
+    __m512i b;
+    if (mbits == AB_E4M3_MBITS) {
+        /* no subnormal product (codecs.h): max(small, normal) */
+        __m512 y = _mm512_add_ps(x, _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
+        __m512i small = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32((127 + emin) << 23));
+        __m512i normal = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32((126 + emin) << 23));
+        b = _mm512_max_epi32(small, normal);
+    } else {
+        b = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(ab_fp8_to_f32_grid(emin))));
+    }
+    b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
+    if (!sr) {
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, drop), _mm512_set1_epi32(1));
+        rnd = _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (drop - 1)) - 1));
+    }
+    return _mm512_srli_epi32(_mm512_add_epi32(b, rnd), drop);
 }
 
 /* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */

@@ -591,6 +591,7 @@ int main(int argc, char **argv)
     check_golden();
     check_golden_spec_hash();
     check_golden_spec_steps();
+    check_golden_fp8_subnormal();
     check_validation();
     check_pool();
     check_many_tensors();

@@ -73,6 +73,22 @@ static void check_golden_spec_hash(void)
     }
 }
 
+/* GOLDEN_FP8_SUBNORMAL of tests/test_golden.py: where section 3's multiply onto the fp32 grid
+ * rounds (numerics version 3), in the scalar codec every ISA's tails use. */
+static void check_golden_fp8_subnormal(void)
+{
+    static const struct { float x; int e4m3, sr; uint32_t r16, code; } gold[] = {
+        {0x1.400002p-8f, 1, 0, 0, 0x02}, {0x1.c00002p-8f, 1, 0, 0, 0x04},
+        {0x1.400002p-15f, 0, 0, 0, 0x02}, {0x1.fffff8p-10f, 1, 1, 0, 0x01},
+    };
+    for (int k = 0; k < 4; k++) {
+        int emin = gold[k].e4m3 ? AB_E4M3_EMIN : AB_E5M2_EMIN;
+        int mbits = gold[k].e4m3 ? AB_E4M3_MBITS : AB_E5M2_MBITS;
+        uint32_t c = ab_fp8_encode(gold[k].x, emin, mbits, gold[k].sr, gold[k].r16);
+        CHECK(c == gold[k].code, "golden fp8 subnormal %d: %02x, want %02x", k, c, gold[k].code);
+    }
+}
+
 static void check_golden_spec_steps(void)
 {
     static const float p0[5] = {1.0f, -0.75f, 2.0f, 0.125f, -1.5f};

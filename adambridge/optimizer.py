@@ -12,7 +12,8 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, distributed, nvme, state as host_state, step_facts, sync_transfer
+from . import checkpoint, distributed, nvme, state as host_state, step_facts, step_plan
+from . import sync_transfer
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -87,6 +88,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._written: dict[torch.Tensor, tuple[int, int]] = {}
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
+        self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step (issue 13)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if offload is not None:
@@ -211,6 +213,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return loss
         if self.max_grad_norm is not None:
             stats.grad_norm = step_facts.sync_clip(self)
+        plan = self._plan
+        if plan is not None and plan.fits(self):  # before the O(params) DTensor scan
+            plan.run(self)
+            return self._finish_stats(stats, len(plan), began, loss)
+        self.release_plan()
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:
                 raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported: "
@@ -220,6 +227,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
+            if step_plan.eligible(self, work, backend):
+                # NOTE: issue 13: later steps over the same parameters reuse this plan.
+                self._plan = step_plan.StepPlan(self, work)
+                self._plan.run(self)
+                return self._finish_stats(stats, len(work), began, loss)
             rest = work if self._tier is None else self._tier.step(work, backend, stats)
             # NOTE: issue 11 item 5: device gradients and weights move through pinned
             # staging with one wait per step (sync_transfer.py), not 2N blocking copies.
@@ -231,7 +243,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 state["step"].fill_(step)
             staged.write_back([(p, state) for p, _, state, _ in rest], self._write_back)
             self.mark_written([p for p, _, _, _ in work])
-        stats.num_params, stats.num_batches = len(work), int(bool(work))
+        return self._finish_stats(stats, len(work), began, loss)
+
+    @staticmethod
+    def _finish_stats(stats: StepStats, count: int, began: float, loss: Any) -> Any:
+        stats.num_params, stats.num_batches = count, int(bool(count))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
         return loss
 
@@ -300,6 +316,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        self.release_plan()  # the pipeline reads the write records and owns the steps now
         ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
                         closes_window=closes_window, hook_grads=ddp is None)
@@ -381,6 +398,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                                            params, self._precision)
         if self._tier is not None:
             new_state = self._tier.adopt(new_state)  # file-placed states go into their files
+        self.release_plan()
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master
@@ -402,12 +420,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state = {k: v for k, v in self.__dict__.items()
                  if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
         state["_pipeline"] = None
+        # The plan holds raw pointers into this optimizer's tensors: a copy builds its own.
+        state["_plan"], state["_written"] = None, self.written_records()
         return state
 
     def __setstate__(self, state: dict) -> None:
         had_flag = "differentiable" in state.get("defaults", {})
         super().__setstate__(state)
         self.__dict__.setdefault("_tier", None)  # pickled before the NVMe tier existed
+        self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

@@ -318,23 +318,26 @@ def descriptors(items):
     return desc
 
 
-def set_hyper(desc, hypers) -> None:
-    """The hyperparameter columns: one functional.Hyper for every row, or one per row."""
+def set_hyper(desc, hypers, index=None) -> None:
+    """The hyperparameter columns: one functional.Hyper for every row, or one per row; with
+    ``index`` (an int64 tensor, one entry per row), row r gets ``hypers[index[r]]``."""
     import torch
     if not isinstance(hypers, (list, tuple)):
         desc.view(torch.float32)[:, _F32_HYPER] = torch.tensor(_hyper_row(hypers))
         return
-    # A step's parameters share a few Hyper objects (one per group): one row per object,
-    # gathered by index.
-    slot, rows, index = {}, [], []
-    for h in hypers:
-        k = slot.get(id(h))
-        if k is None:
-            k = slot[id(h)] = len(rows)
-            rows.append(_hyper_row(h))
-        index.append(k)
-    table = torch.tensor(rows, dtype=torch.float32)
-    desc.view(torch.float32)[:, _F32_HYPER] = table[0] if len(rows) == 1 else table[torch.tensor(index)]
+    if index is None:
+        # A step's parameters share a few Hyper objects (one per group): one row per object,
+        # gathered by index.
+        slot, unique, rows = {}, [], []
+        for h in hypers:
+            k = slot.get(id(h))
+            if k is None:
+                k = slot[id(h)] = len(unique)
+                unique.append(h)
+            rows.append(k)
+        hypers, index = unique, (None if len(unique) == 1 else torch.tensor(rows))
+    table = torch.tensor([_hyper_row(h) for h in hypers], dtype=torch.float32)
+    desc.view(torch.float32)[:, _F32_HYPER] = table[0] if index is None else table[index]
 
 
 def _hyper_row(hyper) -> tuple:

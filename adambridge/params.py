@@ -126,10 +126,21 @@ class ParamOwner:
         beta1, beta2 = group["betas"]
         hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"], step=step)
-        if can_alias_master(p):
+        if can_alias_master(p) and not _views(state.get("master"), p):
             state["master"] = p.detach().view(-1)  # p may have a new storage (p.data = ...)
         return host_state.range_item(state, grad=grad, out=out, start=start,
                                      key=stream_key(self.seed, step, self._param_index[p]),
                                      hyper=hyper, stochastic_rounding=self.stochastic_rounding)
 
     _range_item = range_item  # the name pipeline code of before the seams used
+
+
+def _views(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """Whether ``master`` is already the flat view of fp32 contiguous ``p``'s elements.
+
+    NOTE: issue 13: a new view per parameter per step is one more object the cyclic GC
+    tracks until the step ends. The same address means the same storage: the old view
+    keeps its storage alive, so that memory cannot have been handed to another tensor.
+    """
+    return (master is not None and master.data_ptr() == p.data_ptr()
+            and master.numel() == p.numel() and master.dtype == torch.float32)

@@ -34,10 +34,8 @@ _shape_of = attrgetter("shape")
 _dtype_of = attrgetter("dtype")
 _layout_of = attrgetter("layout")
 _version_of = attrgetter("_version")
-_is_cpu = attrgetter("is_cpu")
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
-_GRAD_DTYPES = frozenset(check.SUPPORTED_PARAM_DTYPES)
 _MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 
@@ -184,14 +182,16 @@ class StepPlan:
             return False
         grads = self.pick_grads(grads_all)
         grads = list(grads) if isinstance(grads, tuple) else [grads]
+        # NOTE: no sync_transfer.on_device per new gradient: a device gradient is not on the
+        # CPU, which set_grads checks with the dtype, the element count and contiguity.
         if not (all(map(is_not, grads, repeat(None)))
                 and all(map(eq, map(_layout_of, grads), repeat(torch.strided)))
-                and all(map(_is_cpu, grads)) and all(map(_is_contiguous, grads))
-                and all(map(_GRAD_DTYPES.__contains__, map(_dtype_of, grads)))
-                and all(map(eq, map(_shape_of, grads), self.shapes))
-                and not any(map(sync_transfer.on_device, grads))):
+                and all(map(eq, map(_shape_of, grads), self.shapes))):
             return False
-        self.batch.set_grads(grads)
+        try:
+            self.batch.set_grads(grads)  # checks every pointer before writing any
+        except ValueError:
+            return False  # the full path refuses it (or copies it) with its own message
         self.grads, self.grads_all = grads, grads_all
         self.grad_ptrs = list(map(_data_ptr, grads))
         return True
@@ -222,12 +222,13 @@ class StepPlan:
                 index.append(torch.full((end - start,), len(hypers), dtype=torch.int64))
                 hypers.append(_hyper(group, low))
                 continue
-            part_keys = torch.empty(end - start, dtype=torch.int64)
-            part_index = torch.empty(end - start, dtype=torch.int64)
+            # Parameters that joined later (or counters set by hand): one Hyper per count.
+            # (torch.where, not boolean indexing, which starts a parallel region early.)
+            part_keys = part_index = torch.zeros(end - start, dtype=torch.int64)
             for step in torch.unique(counts).tolist():
                 rows = counts == step
-                part_keys[rows] = stream_keys(seed, int(step), indices[rows])
-                part_index[rows] = len(hypers)
+                part_keys = torch.where(rows, stream_keys(seed, int(step), indices), part_keys)
+                part_index = torch.where(rows, len(hypers), part_index)
                 hypers.append(_hyper(group, int(step)))
             keys.append(part_keys)
             index.append(part_index)

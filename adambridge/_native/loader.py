@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import struct
 import threading
@@ -339,12 +340,21 @@ def descriptors(items):
     return desc
 
 
+# NOTE: issue 13: rows of hyperparameter columns written per call, so each write stays under
+# torch's parallel grain (32768 elements) and runs inline: an OpenMP region over 10,000 rows
+# took 6-13 ms on the shared 2-vCPU VM (its second thread waits for a busy CPU), 20 us inline.
+_ROWS_INLINE = 4096
+
+
 def set_hyper(desc, hypers, index=None) -> None:
     """The hyperparameter columns: one functional.Hyper for every row, or one per row; with
     ``index`` (an int64 tensor, one entry per row), row r gets ``hypers[index[r]]``."""
     import torch
+    columns = desc.view(torch.float32)[:, _F32_HYPER]
     if not isinstance(hypers, (list, tuple)):
-        desc.view(torch.float32)[:, _F32_HYPER] = torch.tensor(_hyper_row(hypers))
+        row = torch.tensor(_hyper_row(hypers))
+        for start in range(0, columns.shape[0], _ROWS_INLINE):
+            columns[start:start + _ROWS_INLINE] = row
         return
     if index is None:
         # A step's parameters share a few Hyper objects (one per group): one row per object,
@@ -358,7 +368,10 @@ def set_hyper(desc, hypers, index=None) -> None:
             rows.append(k)
         hypers, index = unique, (None if len(unique) == 1 else torch.tensor(rows))
     table = torch.tensor([_hyper_row(h) for h in hypers], dtype=torch.float32)
-    desc.view(torch.float32)[:, _F32_HYPER] = table[0] if index is None else table[index]
+    for start in range(0, columns.shape[0], _ROWS_INLINE):
+        end = start + _ROWS_INLINE
+        # (index_select: torch's advanced indexing starts a parallel region far sooner)
+        columns[start:end] = table[0] if index is None else table.index_select(0, index[start:end])
 
 
 def _hyper_row(hyper) -> tuple:
@@ -372,14 +385,30 @@ def set_keys(desc, keys) -> None:
     desc.view(torch.int32)[:, _I32_KEY] = keys.to(torch.int32)
 
 
+_DTYPE_OF, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
+
+
+def _grad_columns(grads: list, numels: list) -> tuple[list, list]:
+    """(pointers, dtype codes) of the gradients, each checked as _grad_pointer checks it.
+
+    NOTE: issue 13: one pass per property over all gradients (C-level map) instead of one
+    Python call per gradient; any failure is reported by the per-gradient check.
+    """
+    import torch
+    codes = _dtypes()
+    dtypes = list(map(_DTYPE_OF, grads))
+    if (all(map(codes.__contains__, dtypes)) and list(map(torch.Tensor.numel, grads)) == numels
+            and all(map(_IS_CPU, grads)) and all(map(torch.Tensor.is_contiguous, grads))):
+        return list(map(torch.Tensor.data_ptr, grads)), [codes[d][0] for d in dtypes]
+    pairs = [_grad_pointer(g, n) for g, n in zip(grads, numels)]  # raises for the bad one
+    return [p for p, _ in pairs], [c for _, c in pairs]
+
+
 def set_grads(desc, grads, numels) -> None:
     """The gradient column (pointer and dtype), each gradient checked against its row's n."""
     import torch
-    pointers, dtype_codes = [], []
-    for g, n in zip(grads, numels):
-        pointer, code = _grad_pointer(g, n)
-        pointers.append(pointer)
-        dtype_codes.append(code)
+    grads, numels = list(grads), list(numels)
+    pointers, dtype_codes = _grad_columns(grads, numels)
     if len(pointers) != desc.shape[0]:
         raise ValueError(f"Invalid grads: {len(pointers)} for a batch of {desc.shape[0]} ranges")
     desc.view(torch.int64)[:, _I64_GRAD] = torch.tensor(pointers, dtype=torch.int64)

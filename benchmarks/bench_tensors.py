@@ -9,7 +9,7 @@ issue 13. Rows, interleaved, medians:
 - native, N tensors, NativeBatch: the descriptors built once, per step only the stream keys
   and hyperparameters refreshed (what a caller that caches its batch pays);
 - native, N tensors, adamw_update: N UpdateItems built and packed every step (what the
-  optimizer pays today below its own per-parameter Python);
+  optimizer's full path pays below its own per-parameter Python, before issue 13's plan);
 - AdamBridge.step(), N parameters: the whole optimizer step, its gradients the same tensors
   every step (the cached step plan refreshes keys and hyperparameters only);
 - AdamBridge.step(), N parameters, new grad tensors: every step sees new p.grad tensors (as

@@ -108,19 +108,28 @@ class NativeBatch:
         self.items = list(items)
         self._loader = loader
         self._desc = loader.descriptors(self.items)
+        self._numels = [item.numel for item in self.items]
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def set_step(self, keys, hyper) -> None:
+    def set_step(self, keys, hyper, index=None) -> None:
         """keys: one stream key per item (a list or int64 tensor, see ``stream_keys``);
-        hyper: one Hyper for all items, or a sequence of one per item."""
+        hyper: one Hyper for all items, or a sequence of one per item; with ``index`` (an
+        int64 tensor, one entry per item), a short sequence that item i takes entry index[i] of.
+        """
         self._loader.set_keys(self._desc, keys)
-        self._loader.set_hyper(self._desc, hyper)
+        self._loader.set_hyper(self._desc, hyper, index)
 
     def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        """New gradient tensors (one per item, same numel; dtype may change), checked."""
-        self._loader.set_grads(self._desc, grads, [item.numel for item in self.items])
+        """New gradient tensors (one per item, same numel; dtype may change), checked.
+
+        The items then hold the new gradients, so the old ones are not kept alive.
+        """
+        grads = list(grads)
+        self._loader.set_grads(self._desc, grads, self._numels)
+        for item, grad in zip(self.items, grads):
+            item.grad = grad
 
     def run(self) -> None:
         """One native call over the whole batch."""

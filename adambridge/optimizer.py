@@ -12,8 +12,8 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, distributed, nvme, state as host_state, step_facts, sync_transfer
-from . import rank_pool, zero
+from . import checkpoint, distributed, nvme, state as host_state, step_facts, step_plan
+from . import rank_pool, sync_transfer, zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -91,6 +91,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._written: dict[torch.Tensor, tuple[int, int]] = {}
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
+        self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step (issue 13)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if offload is not None:
@@ -219,6 +220,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
             zero.sync_step(self, stats, began)
             return loss
+        plan = self._plan
+        if plan is not None and plan.fits(self):  # before the O(params) DTensor scan
+            plan.run(self)
+            return self._finish_stats(stats, len(plan), began, loss)
+        self.release_plan()
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:
                 raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported: "
@@ -228,6 +234,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
+            if step_plan.eligible(self, work, backend):
+                # NOTE: issue 13: later steps over the same parameters reuse this plan.
+                self._plan = step_plan.StepPlan(self, work)
+                self._plan.run(self)
+                return self._finish_stats(stats, len(work), began, loss)
             rest = work if self._tier is None else self._tier.step(work, backend, stats)
             # NOTE: issue 11 item 5: device gradients and weights move through pinned
             # staging with one wait per step (sync_transfer.py), not 2N blocking copies.
@@ -239,7 +250,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 state["step"].fill_(step)
             staged.write_back([(p, state) for p, _, state, _ in rest], self._write_back)
             self.mark_written([p for p, _, _, _ in work])
-        stats.num_params, stats.num_batches = len(work), int(bool(work))
+        return self._finish_stats(stats, len(work), began, loss)
+
+    @staticmethod
+    def _finish_stats(stats: StepStats, count: int, began: float, loss: Any) -> Any:
+        stats.num_params, stats.num_batches = count, int(bool(count))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
         return loss
 
@@ -309,6 +324,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
         zero.refuse_attach(self)
+        self.release_plan()  # the pipeline reads the write records and owns the steps now
         if distributed.holds_dtensors(self):  # FSDP2: shards updated as their grads land
             from . import fsdp_async
             self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
@@ -399,6 +415,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                                                params, self._precision)
         if self._tier is not None:
             new_state = self._tier.adopt(new_state)  # file-placed states go into their files
+        self.release_plan()
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master
@@ -420,6 +437,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state = {k: v for k, v in self.__dict__.items()
                  if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
         state["_pipeline"] = None
+        # The plan holds raw pointers into this optimizer's tensors: a copy builds its own.
+        state["_plan"], state["_written"] = None, self.written_records()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -427,6 +446,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_tier", None)  # pickled before the NVMe tier existed
         self.__dict__.setdefault("_shard_group", None)  # pickled before shard_state existed
+        self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

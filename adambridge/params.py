@@ -20,10 +20,24 @@ from .state import can_alias_master
 
 class ParamOwner:
     """Mixin of AdamBridge; needs ``param_groups``, ``state``, ``seed``, ``_precision``,
-    ``stochastic_rounding``, ``_tier`` (the NVMe tier or None) and the dicts
-    ``_param_index``, ``_layout``, ``_written``."""
+    ``stochastic_rounding``, ``_tier`` (the NVMe tier or None), ``_plan`` (the cached
+    step_plan.StepPlan or None) and the dicts ``_param_index``, ``_layout``, ``_written``."""
+
+    def release_plan(self) -> None:
+        """Drop the cached step plan (step_plan.py), handing its write records back first:
+        while a plan runs the steps it keeps them, and ``_written`` is stale for its params."""
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            self._written.update(plan.written_records())
+
+    def written_records(self) -> dict:
+        """``_written`` as it would be without the plan's deferral (for copies)."""
+        if self._plan is None:
+            return dict(self._written)
+        return {**self._written, **self._plan.written_records()}
 
     def _index_params(self) -> None:
+        self.release_plan()  # the indices key the rounding bits: a plan's keys would be stale
         # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
         flat = [p for group in self.param_groups for p in group["params"]]
         self._param_index = {p: i for i, p in enumerate(flat)}
@@ -52,6 +66,7 @@ class ParamOwner:
         """Whether p was written by anyone else since this optimizer last wrote it."""
         if can_alias_master(p) and not self.in_files(p):
             return False  # p's storage is the master: what anyone writes is the master
+        self.release_plan()
         return self._written.get(p) != (p._version, p.data_ptr())
 
     def needs_values(self, p: torch.Tensor) -> bool:
@@ -65,6 +80,7 @@ class ParamOwner:
         ``source``: p's values already copied to the host (async mode), else p is read.
         A parameter holding exactly the rounding of its master keeps the master.
         """
+        self.release_plan()  # its write records are the ones compared below
         state = self.state[p]
         if self.in_files(p):
             # NOTE: the master lives in the files, so written weights are compared with it
@@ -90,6 +106,7 @@ class ParamOwner:
         torch's in-place ops do, so a graph that saved them refuses to run backward; then
         records every version, so a write by anyone else is seen at the next step.
         """
+        self.release_plan()  # else its records would overwrite these when handed back
         direct = []
         for p in params:
             written = p.is_cpu and p.is_contiguous()  # else a torch copy_ wrote it: bumped
@@ -109,10 +126,21 @@ class ParamOwner:
         beta1, beta2 = group["betas"]
         hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"], step=step)
-        if can_alias_master(p):
+        if can_alias_master(p) and not _views(state.get("master"), p):
             state["master"] = p.detach().view(-1)  # p may have a new storage (p.data = ...)
         return host_state.range_item(state, grad=grad, out=out, start=start,
                                      key=stream_key(self.seed, step, self._param_index[p]),
                                      hyper=hyper, stochastic_rounding=self.stochastic_rounding)
 
     _range_item = range_item  # the name pipeline code of before the seams used
+
+
+def _views(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """Whether ``master`` is already the flat view of fp32 contiguous ``p``'s elements.
+
+    NOTE: issue 13: a new view per parameter per step is one more object the cyclic GC
+    tracks until the step ends. The same address means the same storage: the old view
+    keeps its storage alive, so that memory cannot have been handed to another tensor.
+    """
+    return (master is not None and master.data_ptr() == p.data_ptr()
+            and master.numel() == p.numel() and master.dtype == torch.float32)

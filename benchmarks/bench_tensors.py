@@ -9,9 +9,18 @@ issue 13. Rows, interleaved, medians:
 - native, N tensors, NativeBatch: the descriptors built once, per step only the stream keys
   and hyperparameters refreshed (what a caller that caches its batch pays);
 - native, N tensors, adamw_update: N UpdateItems built and packed every step (what the
-  optimizer pays today below its own per-parameter Python);
-- AdamBridge.step(), N parameters: the whole optimizer step;
+  optimizer's full path pays below its own per-parameter Python, before issue 13's plan);
+- AdamBridge.step(), N parameters: the whole optimizer step, its gradients the same tensors
+  every step (the cached step plan refreshes keys and hyperparameters only);
+- AdamBridge.step(), N parameters, new grad tensors: every step sees new p.grad tensors (as
+  after zero_grad(set_to_none=True) and backward), so the plan takes in their pointers;
 - torch.optim.AdamW(fused=True) on the N parameters and on one of the same total.
+
+Then the async pipeline's per-gradient cost: a chain of N/2 Linear(16, 16) layers (N small
+parameter tensors) on the CPU, every parameter hooked (small_param_threshold=0); rows, again
+interleaved: forward + backward without hooks; forward + backward + step() through plain
+AdamBridge (the sync step); forward + backward with hooks attached + step_sync(). Reported:
+gradients handled per second and the hooks' cost per gradient over the plain backward.
 """
 from __future__ import annotations
 
@@ -89,6 +98,20 @@ def optimizer_variant(params: Params):
     return opt.step
 
 
+def optimizer_new_grads_variant(params: Params):
+    ps = [torch.nn.Parameter(m.clone()) for m in params.masters]
+    grad_sets = [[g.clone() for g in params.grads] for _ in range(2)]
+    opt = AdamBridge(ps, lr=1e-4, weight_decay=0.01, precision="fp32", backend="native")
+    turn = [0]
+
+    def run() -> None:
+        turn[0] ^= 1
+        for p, g in zip(ps, grad_sets[turn[0]]):
+            p.grad = g
+        opt.step()
+    return run
+
+
 def validate(count: int) -> None:
     """NativeBatch over many small tensors equals the torch backend bit for bit, or we stop."""
     results = []
@@ -116,6 +139,7 @@ def main(numel: int, count: int, threads: int, repeats: int) -> None:
         f"native, {count} tensors, NativeBatch": batch_variant(many),
         f"native, {count} tensors, adamw_update": rebuilt_variant(many),
         f"AdamBridge.step(), {count} params": optimizer_variant(Params(numel, count)),
+        f"AdamBridge.step(), {count} params, new grads": optimizer_new_grads_variant(many),
         f"torch AdamW(fused), {count} params": torch_fused_variant(many),
         "torch AdamW(fused), one param": torch_fused_variant(one),
     }
@@ -130,3 +154,66 @@ def main(numel: int, count: int, threads: int, repeats: int) -> None:
         print(f"{name:44s} {seconds * 1e3:9.2f} {seconds / base:13.2f}x {fused / seconds:16.2f}x")
     print("\n'vs native one': this row's time / one tensor's time (target: <= 2 at 10,000, "
           "<= 1.3 at 1,000); 'vs torch fused N': torch's time / this row's (> 1: faster)")
+    pipeline_main(count, repeats)
+
+
+# -- the async pipeline: hooks per second ------------------------------------------------------
+
+LAYER = 16
+
+
+class Chain:
+    """The chain, its input and, for the optimizer rows, the optimizer; ``run`` is one step."""
+
+    def __init__(self, count: int, mode: str):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(LAYER, LAYER) for _ in range(max(1, count // 2))]
+        self.model = torch.nn.Sequential(*layers)
+        self.x = torch.randn(8, LAYER)
+        self.opt = None
+        if mode != "plain":
+            self.opt = AdamBridge(self.model.parameters(), lr=1e-4, backend="native",
+                                  small_param_threshold=0)
+        if mode == "hooks":
+            self.opt.attach_hooks(self.model)
+        self.mode = mode
+
+    def run(self) -> None:
+        self.model(self.x).square().mean().backward()
+        if self.mode == "hooks":
+            self.opt.step_sync()
+            return
+        if self.opt is not None:
+            self.opt.step()
+        self.model.zero_grad(set_to_none=True)
+
+
+def validate_pipeline(count: int) -> None:
+    """Hooks + step_sync equal the sync step bit for bit on the chain, or we stop."""
+    sync, hooked = Chain(count, "sync"), Chain(count, "hooks")
+    for chain in (sync, hooked, sync, hooked):
+        chain.run()
+    pairs = zip(sync.model.parameters(), hooked.model.parameters())
+    if not all(torch.equal(a, b) for a, b in pairs):
+        sys.exit("validation failed: hooks + step_sync != sync step()")
+    hooked.opt.detach_hooks()
+    print(f"validated: hooks + step_sync == sync step() bit for bit ({count} tensors, 2 steps)")
+
+
+def pipeline_main(count: int, repeats: int) -> None:
+    from bench_kernels import time_interleaved
+    validate_pipeline(min(count, 200))
+    chains = {
+        "forward + backward, no hooks": Chain(count, "plain"),
+        "forward + backward + sync step()": Chain(count, "sync"),
+        "forward + backward with hooks + step_sync()": Chain(count, "hooks"),
+    }
+    medians = time_interleaved({name: chain.run for name, chain in chains.items()}, repeats)
+    grads = 2 * max(1, count // 2)
+    print(f"\nasync pipeline: {count // 2} Linear({LAYER}, {LAYER}) layers, {grads} gradients "
+          f"({LAYER * LAYER} and {LAYER} elements), every one hooked, CPU")
+    base = medians["forward + backward, no hooks"]
+    print(f"{'variant':44s} {'ms':>9s} {'grads/s':>10s} {'us/grad over plain':>19s}")
+    for name, seconds in medians.items():
+        over = (seconds - base) / grads * 1e6
+        print(f"{name:44s} {seconds * 1e3:9.2f} {grads / seconds:10.0f} {over:19.2f}")

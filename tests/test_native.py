@@ -357,3 +357,20 @@ def test_native_batch_of_items_with_different_hyperparameters_equals_one_by_one(
                 adamw_update([item], "native")
         return [s["master"] for s, _, _ in problems]
     _assert_bitwise_equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_descriptors_of_few_rows_equal_the_columns_of_many(precision, monkeypatch):
+    # A few rows are packed one struct at a time, more column by column: the same bytes.
+    lrs = [1e-3, 3e-2, 1e-3]
+    items = []
+    for i, (lr, out_dtype) in enumerate(zip(lrs, [torch.bfloat16, None, torch.float16])):
+        state, grad, out = _problem(300, precision, torch.bfloat16, out_dtype, seed=i)
+        item = _items(state, grad, out, precision, 3, [(128, 300)], sr=i != 1)[0]
+        item.hyper = Hyper.for_step(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                                    step=3)
+        item.key = codecs.stream_key(2**40 + 3, 7, i)  # keys above 2**31 wrap the same way
+        items.append(item)
+    packed = loader.descriptors(items)
+    monkeypatch.setattr(loader, "_SMALL_BATCH", 0)
+    assert torch.equal(packed, loader.descriptors(items))

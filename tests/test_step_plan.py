@@ -1,0 +1,241 @@
+"""The cached plan of the synchronous step (step_plan.py): bit for bit the full path, and no
+per-parameter allocation per step (issue 13)."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from adambridge import AdamBridge, step_plan
+
+from conftest import native_available
+
+
+@pytest.fixture(autouse=True)
+def _native_required():
+    if not native_available():
+        pytest.fail("the native kernel did not build on this machine; the step plan is a "
+                    "native-only path (see `python -m adambridge info`)")
+
+
+SHAPES = [(1,), (15,), (17,), (300,), (9, 13), (129,)]
+DTYPES = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float16,
+          torch.bfloat16]
+STEPS = 14
+
+
+def _fresh_grads(params, gen):
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-1).to(p.dtype)
+
+
+def _event(step: int, opt, params, extra, saved: dict, gen) -> None:
+    """What happens before step ``step`` of the long run (the same in every variant)."""
+    active = params + ([extra] if step >= 6 else [])
+    if step in (2, 3):  # the same gradient tensors, changed in place
+        for p in active:
+            p.grad.mul_(0.5)
+    else:
+        _fresh_grads(active, gen)
+    if step == 4:
+        params[1].grad = None  # loses its gradient: takes no step
+    if step == 6:
+        opt.add_param_group({"params": [extra], "lr": 5e-3, "weight_decay": 0.0})
+        saved["sched"] = _scheduler(opt)  # torch's schedulers keep their groups' count
+    if step == 8:
+        saved["state"] = copy.deepcopy(opt.state_dict())
+    if step == 10:
+        opt.load_state_dict(saved["state"])
+    if step == 12:
+        with torch.no_grad():
+            params[2].add_(1.0)  # a write to a bf16 parameter: the next step starts from it
+
+
+def _scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+
+
+def _snapshot(opt, params) -> list:
+    out = []
+    for p in params:
+        out.append(p.detach().clone())
+        state = opt.state.get(p) or {}
+        for key in sorted(state):
+            value = state[key]
+            out.append(value.item() if key == "step" else value.detach().clone())
+    return out
+
+
+def _long_run(backend: str, precision: str) -> tuple[list, int]:
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt))
+              for s, dt in zip(SHAPES, DTYPES)]
+    extra = torch.nn.Parameter(torch.randn(40, generator=gen))
+    opt = AdamBridge([{"params": params[:4]},
+                      {"params": params[4:], "lr": 3e-3, "weight_decay": 0.1}],
+                     lr=1e-2, precision=precision, backend=backend, seed=7)
+    saved, trace, planned = {"sched": _scheduler(opt)}, [], 0
+    for step in range(STEPS):
+        _event(step, opt, params, extra, saved, gen)
+        opt.step()
+        planned += opt._plan is not None
+        saved["sched"].step()  # a new lr every step
+        trace.append(_snapshot(opt, params + [extra]))
+    return trace, planned
+
+
+def _bits(value):
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).view(torch.uint8)
+    return value
+
+
+def _assert_same(a: list, b: list, what: str) -> None:
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert len(x) == len(y), f"{what}: step {step} has different state entries"
+        for i, (u, v) in enumerate(zip(x, y)):
+            if isinstance(u, torch.Tensor):
+                assert torch.equal(_bits(u), _bits(v)), f"{what}: step {step}, entry {i}"
+            else:
+                assert u == v, f"{what}: step {step}, entry {i}: {u} != {v}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_step_plan_long_run_equals_full_path_and_torch(precision):
+    planned_trace, planned = _long_run("native", precision)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_plan, "eligible", lambda *args: False)
+        full_trace, never = _long_run("native", precision)
+    torch_trace, _ = _long_run("torch", precision)
+    assert never == 0
+    # Every step but those that changed the plan's facts ran on a plan.
+    assert planned >= STEPS - 1
+    _assert_same(planned_trace, full_trace, "plan vs full native path")
+    _assert_same(planned_trace, torch_trace, "plan vs torch backend")
+
+
+# --------------------------------------------------------------- changes between steps
+
+def _change_exp_avg(opt, p):
+    opt.state[p]["exp_avg"] = torch.full_like(opt.state[p]["exp_avg"], 0.25)
+
+
+def _replace_data(opt, p):
+    p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(5))
+
+
+def _replace_state(opt, p):
+    opt.state[p] = copy.deepcopy(opt.state[p])
+
+
+def _same_grad_new_storage(opt, p):
+    p.grad.data = torch.ones_like(p.grad)
+
+
+def _fill_step(opt, p):
+    opt.state[p]["step"].fill_(40.0)
+
+
+CHANGES = [
+    dict(desc="a state tensor replaced", change=_change_exp_avg),
+    dict(desc="a parameter's storage replaced (p.data = ...)", change=_replace_data),
+    dict(desc="a state dict replaced by a copy", change=_replace_state),
+    dict(desc="the same gradient object given new storage", change=_same_grad_new_storage),
+    dict(desc="a step counter written in place", change=_fill_step),
+]
+
+
+def _changed_run(backend: str, change) -> list:
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 130, 33)]
+    opt = AdamBridge(params, lr=1e-2, backend=backend)
+    trace = []
+    for step in range(5):
+        if step != 3:
+            _fresh_grads(params, gen)
+        else:
+            change(opt, params[1])
+        opt.step()
+        trace.append(_snapshot(opt, params))
+    return trace
+
+
+@pytest.mark.parametrize("config", CHANGES, ids=lambda c: c["desc"])
+def test_step_plan_sees_changes_between_steps(config):
+    _assert_same(_changed_run("native", config["change"]),
+                 _changed_run("torch", config["change"]), config["desc"])
+
+
+def test_step_plan_bad_gradient_raises_before_any_update():
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None
+    before = _snapshot(opt, params)
+    params[0].grad = torch.randn(5)
+    params[1].grad = torch.randn(9)
+    params[1].grad.data = torch.randn(3)  # torch refuses such a p.grad, not such a .data
+    with pytest.raises(ValueError, match=r"Invalid gradient of parameter 1: shape \(3,\)"):
+        opt.step()
+    _assert_same([_snapshot(opt, params)], [before], "after the refused step")
+
+
+def test_step_plan_step_counters_read_as_torch_keeps_them():
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (4, 6)]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(3):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    params[1].grad = None
+    _fresh_grads(params[:1], torch.Generator().manual_seed(1))
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [4.0, 3.0]
+    saved = opt.state_dict()["state"]
+    assert [saved[i]["step"].item() for i in (0, 1)] == [4.0, 3.0]
+    assert all(opt.state[p]["step"].shape == () for p in params)
+
+
+# --------------------------------------------------------------- no allocation per parameter
+
+def _collections_during_steps(count: int, fresh_grads: bool) -> int:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(count)]
+    opt = AdamBridge(params, backend="native")
+    grad_sets = [[torch.randn(64, generator=gen) for _ in params] for _ in range(2)]
+    for p, g in zip(params, grad_sets[0]):
+        p.grad = g
+    opt.step()  # builds the plan
+    starts = []
+
+    def count_start(phase, info):
+        if phase == "start":
+            starts.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.callbacks.append(count_start)
+    gc.set_threshold(50, 10, 10)  # sensitive: 50 live new containers start a collection
+    try:
+        for k in range(3):
+            if fresh_grads:
+                for p, g in zip(params, grad_sets[(k + 1) % 2]):
+                    p.grad = g
+            opt.step()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(count_start)
+    assert opt._plan is not None
+    return len(starts)
+
+
+@pytest.mark.parametrize("fresh_grads", [False, True], ids=["same grads", "new grads"])
+def test_step_plan_allocates_no_container_per_parameter(fresh_grads):
+    # NOTE: the full path keeps several containers per parameter alive during a step
+    # (work tuples, UpdateItems, views); 2,000 parameters then start hundreds of collections.
+    few = _collections_during_steps(20, fresh_grads)
+    many = _collections_during_steps(2000, fresh_grads)
+    assert many <= few + 3, f"{many} collections with 2,000 parameters, {few} with 20"

@@ -147,7 +147,9 @@ class StepPlan:
             return False
         grads_all = list(map(_grad_of, flat))
         if _same(grads_all, self.grads_all):
-            if list(map(_data_ptr, self.grads)) == self.grad_ptrs:
+            # Shapes too: a gradient resized in place keeps its pointer (resize_ to fewer).
+            if list(map(_data_ptr, self.grads)) == self.grad_ptrs \
+                    and all(map(eq, map(_shape_of, self.grads), self.shapes)):
                 return True
         return self._take_grads(grads_all)
 

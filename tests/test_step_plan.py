@@ -184,6 +184,21 @@ def test_step_plan_bad_gradient_raises_before_any_update():
     _assert_same([_snapshot(opt, params)], [before], "after the refused step")
 
 
+def test_step_plan_refuses_a_gradient_resized_in_place():
+    # resize_ to fewer elements keeps the data pointer: only the shape tells.
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None
+    before = _snapshot(opt, params)
+    params[1].grad.resize_(3)
+    with pytest.raises(ValueError, match=r"Invalid gradient of parameter 1: shape \(3,\)"):
+        opt.step()
+    _assert_same([_snapshot(opt, params)], [before], "after the refused step")
+
+
 def test_step_plan_step_counters_read_as_torch_keeps_them():
     params = [torch.nn.Parameter(torch.randn(n)) for n in (4, 6)]
     opt = AdamBridge(params, backend="native")

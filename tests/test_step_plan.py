@@ -168,24 +168,19 @@ def test_step_plan_sees_changes_between_steps(config):
                  _changed_run("torch", config["change"]), config["desc"])
 
 
-def test_step_plan_bad_gradient_raises_before_any_update():
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
-    opt = AdamBridge(params, backend="native")
-    for _ in range(2):
-        _fresh_grads(params, torch.Generator().manual_seed(0))
-        opt.step()
-    assert opt._plan is not None
-    before = _snapshot(opt, params)
+def _wrong_shape_new_grad(params):
     params[0].grad = torch.randn(5)
     params[1].grad = torch.randn(9)
     params[1].grad.data = torch.randn(3)  # torch refuses such a p.grad, not such a .data
-    with pytest.raises(ValueError, match=r"Invalid gradient of parameter 1: shape \(3,\)"):
-        opt.step()
-    _assert_same([_snapshot(opt, params)], [before], "after the refused step")
 
 
-def test_step_plan_refuses_a_gradient_resized_in_place():
-    # resize_ to fewer elements keeps the data pointer: only the shape tells.
+def _same_grad_resized(params):
+    params[1].grad.resize_(3)  # fewer elements keep the data pointer: only the shape tells
+
+
+@pytest.mark.parametrize("spoil", [_wrong_shape_new_grad, _same_grad_resized],
+                         ids=["new gradient of the wrong shape", "same gradient resized"])
+def test_step_plan_bad_gradient_raises_before_any_update(spoil):
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
     opt = AdamBridge(params, backend="native")
     for _ in range(2):
@@ -193,7 +188,7 @@ def test_step_plan_refuses_a_gradient_resized_in_place():
         opt.step()
     assert opt._plan is not None
     before = _snapshot(opt, params)
-    params[1].grad.resize_(3)
+    spoil(params)
     with pytest.raises(ValueError, match=r"Invalid gradient of parameter 1: shape \(3,\)"):
         opt.step()
     _assert_same([_snapshot(opt, params)], [before], "after the refused step")

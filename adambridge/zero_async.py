@@ -97,7 +97,10 @@ class RangeUpdater:
 
     def on_grad(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
         """DDP's comm hook: ``reduced`` is p's all-reduced gradient (a bucket view)."""
-        if self._held:
+        if self._held or p.grad is None:
+            # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph).
+            # DDP writes it after the hooks if another rank used it; else the synchronous step
+            # skips it too. Either way step() does what the synchronous step does.
             return
         opt = self.opt
         with self._cond:
@@ -154,6 +157,9 @@ class RangeUpdater:
         done, errors, held = frozenset(self._done), list(self._errors), self._held
         self._seen, self._done, self._errors = set(), set(), []
         opt = self.opt
+        ungraded = [opt.index(p) for p in done if p.grad is None]
+        if not errors and ungraded:  # updated, then p.grad dropped: the gather would skip it
+            errors.append(RuntimeError(_unused(ungraded[0])))
         if not errors and (getattr(opt, "grad_scale", None) is not None or
                            getattr(opt, "found_inf", None) is not None):
             errors.append(self._refusal("GradScaler", held, len(done)))
@@ -222,6 +228,11 @@ class RangeUpdater:
             self._queue.put(_STOP)
             self._thread.join()
             interception.unregister(self)
+
+
+def _unused(index: int) -> str:
+    return (f"parameter {index} was updated from DDP's reduced bucket but has no gradient at "
+            f"step() (set to None in between); keep p.grad until opt.step()")
 
 
 def _updated(count: int) -> str:

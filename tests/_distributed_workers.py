@@ -457,6 +457,8 @@ def zero_async(rank: int, world: int, out_dir: str) -> dict:
             opt.detach_hooks()
     for mode in ("sync", "async"):
         result["accumulated", mode] = _zero_accumulated(rank, mode)
+        for option in ("find_unused_parameters", "static_graph"):
+            result[option, mode] = _zero_unused(rank, mode, option)
     result["errors"] = _zero_async_errors(rank)
     return result
 
@@ -478,6 +480,37 @@ def _zero_accumulated(rank: int, mode: str) -> list:
         with model.no_sync():
             model(batch(rank, 2 * step)).square().mean().backward()
         model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _PartlyUsed(torch.nn.Module):
+    """make_model's layers and one more that rank 1 uses at odd steps (``varying``: unused
+    by one rank, then by both), else no rank ever (static_graph needs the same graph)."""
+
+    def __init__(self, varying: bool) -> None:
+        super().__init__()
+        self.body, self.extra = make_model(), torch.nn.Linear(5, 5)
+        self.varying, self.step = varying, 0
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        y = self.body(x)
+        return self.extra(y) if self.varying and rank == 1 and self.step % 2 else y
+
+
+def _zero_unused(rank: int, mode: str, option: str) -> list:
+    """A parameter unused by some ranks (locally) or by all (globally) in some steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    inner = _PartlyUsed(varying=option == "find_unused_parameters")
+    model = DDP(inner, **{option: True})
+    opt = _sharded(model, "bf16")
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        inner.step = step
+        model(batch(rank, step), rank).square().mean().backward()
         opt.step()
         opt.zero_grad()
     opt.detach_hooks()
@@ -518,6 +551,7 @@ def _zero_async_errors(rank: int) -> dict:
         lambda: _sharded(model).attach_hooks(model, accumulation_steps=2))
     plain = make_model()
     errors["no ddp"] = _error(lambda: _sharded(plain).attach_hooks(plain))
+
     return errors
 
 

@@ -140,7 +140,9 @@ def _reduce_then_update(ddp_ref, bucket):  # DDP checks a comm hook's annotation
     pipeline = pipeline_ref() if pipeline_ref is not None else None
     if pipeline is not None and pipeline.opt is not None and pipeline.opt._pipeline is pipeline:
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if pipeline.hooks(p):
+            # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph);
+            # step() sends it from p.grad if DDP writes another rank's reduced one there.
+            if pipeline.hooks(p) and p.grad is not None:
                 pipeline.on_grad(p, grad)
     done = torch.futures.Future()
     done.set_result(buffer)

@@ -98,9 +98,9 @@ class RangeUpdater:
     def on_grad(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
         """DDP's comm hook: ``reduced`` is p's all-reduced gradient (a bucket view)."""
         if self._held or p.grad is None:
-            # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph).
-            # DDP writes it after the hooks if another rank used it; else the synchronous step
-            # skips it too. Either way step() does what the synchronous step does.
+            # No p.grad (the comm hook passes none such): unused by this rank's backward.
+            # DDP writes it after the hooks if another rank used it, and step() updates it
+            # then; else the synchronous step skips it too.
             return
         opt = self.opt
         with self._cond:

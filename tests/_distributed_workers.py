@@ -459,6 +459,9 @@ def zero_async(rank: int, world: int, out_dir: str) -> dict:
         result["accumulated", mode] = _zero_accumulated(rank, mode)
         for option in ("find_unused_parameters", "static_graph"):
             result[option, mode] = _zero_unused(rank, mode, option)
+        # The unsharded DDP pipeline, every parameter hooked.
+        result["unsharded", mode] = _zero_unused(rank, mode, "find_unused_parameters",
+                                                 shard_state=False, small_param_threshold=1)
     result["errors"] = _zero_async_errors(rank)
     return result
 
@@ -500,12 +503,12 @@ class _PartlyUsed(torch.nn.Module):
         return self.extra(y) if self.varying and rank == 1 and self.step % 2 else y
 
 
-def _zero_unused(rank: int, mode: str, option: str) -> list:
+def _zero_unused(rank: int, mode: str, option: str, **kwargs) -> list:
     """A parameter unused by some ranks (locally) or by all (globally) in some steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     inner = _PartlyUsed(varying=option == "find_unused_parameters")
     model = DDP(inner, **{option: True})
-    opt = _sharded(model, "bf16")
+    opt = _sharded(model, "bf16", **kwargs)
     if mode == "async":
         opt.attach_hooks(model)
     for step in range(4):

@@ -22,6 +22,7 @@ second reduced gradient before ``step()`` is an error.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,7 @@ import torch
 from . import distributed, interception, zero
 from .stats import StepStats
 
+_log = logging.getLogger("adambridge")
 _STOP = object()
 _WAIT_S = 0.1
 
@@ -72,7 +74,8 @@ class RangeUpdater:
     def __init__(self, opt: Any, params: list) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self._shards = zero._Group(opt._shard_group, opt)
-        self._group = {p: g for g in opt.param_groups for p in g["params"]}
+        self._group: dict = {}
+        self._groups_seen: list = []
         self._hooked = {id(p) for p in params}
         self._held = True           # the first step: hooks record nothing, step() updates
         self._seen: set = set()     # parameters whose reduced gradient arrived in this step
@@ -118,7 +121,7 @@ class RangeUpdater:
             start, end = self._shards.range(opt, p)
             # Only this rank's range crosses to the host (a view on CPU: DDP writes the
             # bucket again only in the next backward, after step() has waited for us).
-            work = (p, self._group[p], start, end, zero._host_range(reduced, start, end))
+            work = (p, self._group_of(p), start, end, zero._host_range(reduced, start, end))
         except (RuntimeError, ValueError) as exc:
             self._fail(exc)
             return
@@ -128,6 +131,16 @@ class RangeUpdater:
                 return
             self._pending += 1
         self._queue.put(work)
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        # load_state_dict (and users) may replace param_groups: look the group up again, so
+        # the loaded hyperparameters reach the update, as in the synchronous step.
+        groups = self.opt.param_groups
+        if len(groups) != len(self._groups_seen) or any(
+                a is not b for a, b in zip(groups, self._groups_seen)):
+            self._group = {q: g for g in groups for q in g["params"]}
+            self._groups_seen = list(groups)
+        return self._group[p]
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -224,6 +237,11 @@ class RangeUpdater:
         self._hooked = set()  # the comm hook stays (DDP allows one); it only all-reduces now
         try:
             self._wait()
+            updated = [p for p in self._done if self.opt.state.get(p)]  # not empty ranges
+            if updated:
+                _log.warning("adambridge: detach_hooks() dropped an unfinished step whose "
+                             "ranges were already updated on this rank (%d parameters) but "
+                             "never all-gathered: the ranks' parameters differ", len(updated))
         finally:
             self._queue.put(_STOP)
             self._thread.join()

@@ -457,6 +457,7 @@ def zero_async(rank: int, world: int, out_dir: str) -> dict:
             opt.detach_hooks()
     for mode in ("sync", "async"):
         result["accumulated", mode] = _zero_accumulated(rank, mode)
+        result["loaded", mode] = _zero_loaded(rank, mode)
         for option in ("find_unused_parameters", "static_graph"):
             result[option, mode] = _zero_unused(rank, mode, option)
         # The unsharded DDP pipeline, every parameter hooked.
@@ -483,6 +484,25 @@ def _zero_accumulated(rank: int, mode: str) -> list:
         with model.no_sync():
             model(batch(rank, 2 * step)).square().mean().backward()
         model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _zero_loaded(rank: int, mode: str) -> list:
+    """2 steps, load_state_dict of the state with a tenth of the lr (new param_groups), 2 more."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(make_model())
+    opt = _sharded(model, "bf16")
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        if step == 2:
+            saved = opt.state_dict()
+            saved["param_groups"][0]["lr"] = LR / 10
+            opt.load_state_dict(saved)
+        model(batch(rank, step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     opt.detach_hooks()

@@ -265,6 +265,11 @@ def test_shard_state_async_accumulates_under_no_sync(zero_async_ranks):
                zero_async_ranks[1]["accumulated", "async"])
 
 
+def test_shard_state_async_takes_the_param_groups_of_load_state_dict(zero_async_ranks):
+    for result in zero_async_ranks:
+        _identical(result["loaded", "async"], result["loaded", "sync"])
+
+
 @pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph", "unsharded"])
 def test_shard_state_async_with_unused_parameters_equals_sync(zero_async_ranks, option):
     for result in zero_async_ranks:

@@ -149,6 +149,25 @@ def _reduce_then_update(ddp_ref, bucket):  # DDP checks a comm hook's annotation
     return done
 
 
+class GroupLookup:
+    """p -> its param group in ``opt.param_groups`` as they are now, for updaters that run
+    from hooks: load_state_dict (and users) may replace the groups with new dicts, and the
+    loaded hyperparameters must reach the update, as in the synchronous step."""
+
+    def __init__(self, opt: Any) -> None:
+        import weakref
+        self._opt_ref = weakref.ref(opt)
+        self._seen: list = []
+        self._of: dict = {}
+
+    def __call__(self, p: torch.Tensor) -> dict:
+        groups = self._opt_ref().param_groups
+        if len(groups) != len(self._seen) or any(a is not b for a, b in zip(groups, self._seen)):
+            self._of = {q: g for g in groups for q in g["params"]}
+            self._seen = list(groups)
+        return self._of[p]
+
+
 # --------------------------------------------------------------------------- sync step
 
 

@@ -74,8 +74,7 @@ class RangeUpdater:
     def __init__(self, opt: Any, params: list) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self._shards = zero._Group(opt._shard_group, opt)
-        self._group: dict = {}
-        self._groups_seen: list = []
+        self._group_of = distributed.GroupLookup(opt)
         self._hooked = {id(p) for p in params}
         self._held = True           # the first step: hooks record nothing, step() updates
         self._seen: set = set()     # parameters whose reduced gradient arrived in this step
@@ -131,16 +130,6 @@ class RangeUpdater:
                 return
             self._pending += 1
         self._queue.put(work)
-
-    def _group_of(self, p: torch.Tensor) -> dict:
-        # load_state_dict (and users) may replace param_groups: look the group up again, so
-        # the loaded hyperparameters reach the update, as in the synchronous step.
-        groups = self.opt.param_groups
-        if len(groups) != len(self._groups_seen) or any(
-                a is not b for a, b in zip(groups, self._groups_seen)):
-            self._group = {q: g for g in groups for q in g["params"]}
-            self._groups_seen = list(groups)
-        return self._group[p]
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:

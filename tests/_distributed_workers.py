@@ -603,6 +603,7 @@ def fsdp2_async(rank: int, world: int, out_dir: str) -> dict:
             opt.detach_hooks()
     for mode in ("sync", "async"):
         result["accumulated", mode] = _accumulated(rank, mode)
+        result["loaded", mode] = _fsdp2_loaded(rank, mode)
     result["errors"] = _fsdp2_async_errors(rank)
     return result
 
@@ -625,6 +626,27 @@ def _accumulated(rank: int, mode: str) -> list:
         model(batch(rank, 2 * step)).square().mean().backward()
         model.set_requires_gradient_sync(True)
         model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [_full(p) for p in model.parameters()]
+
+
+def _fsdp2_loaded(rank: int, mode: str) -> list:
+    """2 steps, load_state_dict with a tenth of the lr (new param_groups), 2 more."""
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    model = shard(make_model(), "cpu_offload")
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        if step == 2:
+            saved = sd.get_optimizer_state_dict(model, opt)
+            for group in saved["param_groups"]:
+                group["lr"] = LR / 10
+            sd.set_optimizer_state_dict(model, opt, saved)
+        model(batch(rank, step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     opt.detach_hooks()

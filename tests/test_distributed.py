@@ -322,6 +322,11 @@ def test_fsdp2_async_equals_sync_bit_for_bit(fsdp2_async_ranks, setup):
     _identical(fsdp2_async_ranks[0][setup, "async"], fsdp2_async_ranks[1][setup, "async"])
 
 
+def test_fsdp2_async_takes_the_param_groups_of_load_state_dict(fsdp2_async_ranks):
+    for result in fsdp2_async_ranks:
+        _identical(result["loaded", "async"], result["loaded", "sync"])
+
+
 def test_fsdp2_async_accumulates_with_gradient_sync_off(fsdp2_async_ranks):
     for result in fsdp2_async_ranks:
         _identical(result["accumulated", "async"], result["accumulated", "sync"])

@@ -164,13 +164,17 @@ class RangeUpdater:
             errors.append(RuntimeError(_unused(ungraded[0])))
         if not errors and (getattr(opt, "grad_scale", None) is not None or
                            getattr(opt, "found_inf", None) is not None):
-            errors.append(self._refusal("GradScaler", held, len(done)))
-        self._agree_on_failure(errors, len(done))
+            errors.append(self._refusal("GradScaler", held, self._count_updated(done)))
+        self._agree_on_failure(errors, self._count_updated(done))
         stats = StepStats()
         opt.last_step_stats = stats
         zero.sync_step(opt, stats, began, skip=done)
-        stats.num_params += len(done)
+        stats.num_params += self._count_updated(done)
         self._held = False
+
+    def _count_updated(self, done: Any) -> int:
+        # ``done`` also holds the parameters of which this rank owns nothing (no state).
+        return sum(1 for p in done if self.opt.state.get(p))
 
     def _agree_on_failure(self, errors: list, updated: int) -> None:
         """Every rank raises if any failed: none is left waiting in the all-gather."""
@@ -200,8 +204,9 @@ class RangeUpdater:
     # ------------------------------------------------------------------ step-wide facts
 
     def _refuse_fact(self, what: str) -> None:
+        self._wait()
         with self._cond:
-            updated, held = len(self._done) + self._pending, self._held
+            updated, held = self._count_updated(self._done), self._held
         raise self._refusal(what, held, updated)
 
     def clip_grad_norm(self, *args: Any) -> Any:
@@ -226,11 +231,11 @@ class RangeUpdater:
         self._hooked = set()  # the comm hook stays (DDP allows one); it only all-reduces now
         try:
             self._wait()
-            updated = [p for p in self._done if self.opt.state.get(p)]  # not empty ranges
+            updated = self._count_updated(self._done)
             if updated:
                 _log.warning("adambridge: detach_hooks() dropped an unfinished step whose "
                              "ranges were already updated on this rank (%d parameters) but "
-                             "never all-gathered: the ranks' parameters differ", len(updated))
+                             "never all-gathered: the ranks' parameters differ", updated)
         finally:
             self._queue.put(_STOP)
             self._thread.join()

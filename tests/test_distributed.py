@@ -244,7 +244,8 @@ def test_shard_state_async_equals_sync_bit_for_bit(zero_async_ranks, dtype, prec
     from adambridge import AdamBridge
     for result in zero_async_ranks:
         _identical(result[dtype, precision, "async"], result[dtype, precision, "sync"])
-        # Held first step (updated by step()), then every range in backward.
+        # Held first step (updated by step()), then every parameter in backward (4: rank 0
+        # owns ranges of 2 of them, rank 1 of all 4; see zero.chunk_range).
         assert result[dtype, precision, "async", "in backward"] == [0, 4, 4, 4]
     _identical(zero_async_ranks[0][dtype, precision, "async"],
                zero_async_ranks[1][dtype, precision, "async"])
@@ -290,7 +291,7 @@ def test_shard_state_async_refusals_are_one_line(zero_async_ranks):
         "clip in the first step": "RuntimeError: clip_grad_norm_ with attach_hooks() and "
                                   "shard_state=True is not supported (nothing was changed)",
         "clip in a later step": "RuntimeError: clip_grad_norm_ with attach_hooks() and "
-                                "shard_state=True is not supported (4 parameters' ranges",
+                                "shard_state=True is not supported (2 parameters' ranges",
         "second reduce": "RuntimeError: parameter 3 received a second reduced gradient",
         "accumulate": "RuntimeError: opt.accumulate() with attach_hooks() and shard_state=True",
         "GradScaler": "RuntimeError: GradScaler with attach_hooks() and shard_state=True",

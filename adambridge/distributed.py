@@ -140,11 +140,32 @@ def _reduce_then_update(ddp_ref, bucket):  # DDP checks a comm hook's annotation
     pipeline = pipeline_ref() if pipeline_ref is not None else None
     if pipeline is not None and pipeline.opt is not None and pipeline.opt._pipeline is pipeline:
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            if pipeline.hooks(p):
+            # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph);
+            # step() sends it from p.grad if DDP writes another rank's reduced one there.
+            if pipeline.hooks(p) and p.grad is not None:
                 pipeline.on_grad(p, grad)
     done = torch.futures.Future()
     done.set_result(buffer)
     return done
+
+
+class GroupLookup:
+    """p -> its param group in ``opt.param_groups`` as they are now, for updaters that run
+    from hooks: load_state_dict (and users) may replace the groups with new dicts, and the
+    loaded hyperparameters must reach the update, as in the synchronous step."""
+
+    def __init__(self, opt: Any) -> None:
+        import weakref
+        self._opt_ref = weakref.ref(opt)
+        self._seen: list = []
+        self._of: dict = {}
+
+    def __call__(self, p: torch.Tensor) -> dict:
+        groups = self._opt_ref().param_groups
+        if len(groups) != len(self._seen) or any(a is not b for a, b in zip(groups, self._seen)):
+            self._of = {q: g for g in groups for q in g["params"]}
+            self._seen = list(groups)
+        return self._of[p]
 
 
 # --------------------------------------------------------------------------- sync step

@@ -74,7 +74,7 @@ class ShardUpdater:
 
     def __init__(self, opt: Any, params: list) -> None:
         self.opt = opt
-        self._group = {p: g for g in opt.param_groups for p in g["params"]}
+        self._group_of = distributed.GroupLookup(opt)  # the groups as they are at each hook
         self._hooked = set(params)
         self._held = True           # the first step: hooks record nothing, step() updates
         self._seen: set = set()     # parameters whose gradient arrived in this step
@@ -110,7 +110,7 @@ class ShardUpdater:
             self._seen.add(p)
         try:
             self.opt.check_gradient(p)
-            work = distributed.shard_work(self.opt, p, self._group[p])
+            work = distributed.shard_work(self.opt, p, self._group_of(p))
         except (RuntimeError, ValueError) as exc:
             self._fail(exc)
             return

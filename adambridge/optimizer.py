@@ -323,8 +323,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
-        zero.refuse_attach(self)
         self.release_plan()  # the pipeline reads the write records and owns the steps now
+        if self._shard_group is not None:  # shard_state: this rank's ranges, from DDP's hook
+            from . import zero_async
+            self._pipeline = zero_async.attach(self, model, accumulation_steps, closes_window)
+            return
         if distributed.holds_dtensors(self):  # FSDP2: shards updated as their grads land
             from . import fsdp_async
             self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)

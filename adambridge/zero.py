@@ -19,9 +19,13 @@ state, in the unsharded layout, on every rank; ``load_state_dict()`` takes that 
 checkpoint saved on N ranks (plain torch.save or torch.distributed.checkpoint) loads on any
 M, sharded or not. Both peak at one whole copy of the state per rank while they run.
 
+Asynchronous mode (``attach_hooks`` on a DDP model) is zero_async.py: the ranges are
+updated in backward from DDP's reduced buckets, and ``step()`` runs this module's
+all-gather (``sync_step`` with those parameters skipped).
+
 Refused in one line: DTensor parameters (FSDP2 shards already), ``offload_dir``,
-``attach_hooks`` (asynchronous mode), parameters on several devices, non-contiguous ones,
-and ranks that disagree on which parameters have a gradient.
+parameters on several devices, non-contiguous ones, and ranks that disagree on which
+parameters have a gradient.
 """
 from __future__ import annotations
 
@@ -58,12 +62,6 @@ def process_group(shard_state: Any, offload: Any) -> Optional[Any]:
         return shard_state
     raise ValueError(f"Invalid shard_state: {shard_state!r} (expected False, True or a "
                      f"torch.distributed ProcessGroup)")
-
-
-def refuse_attach(opt: Any) -> None:
-    if getattr(opt, "_shard_group", None) is not None:
-        raise RuntimeError("attach_hooks() with shard_state=True is not supported yet; use "
-                           "synchronous opt.step(), or drop shard_state for async mode")
 
 
 # --------------------------------------------------------------------------- ranges
@@ -143,33 +141,48 @@ def exchange(g: _Group, sizes: list, local: list, device: torch.device) -> list:
 # --------------------------------------------------------------------------- the step
 
 
-def sync_step(opt: Any, stats: Any, began: float) -> None:
-    """``opt.step()`` with sharded state: update this rank's ranges, all-gather the rest."""
+def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
+    """``opt.step()`` with sharded state: update this rank's ranges, all-gather the rest.
+
+    ``skip``: parameters whose range was already updated in this step (asynchronous mode,
+    zero_async.py); they are checked and gathered like the others.
+    """
     from . import distributed
     if distributed.holds_dtensors(opt):
         raise ValueError("shard_state=True with FSDP2 (DTensor) parameters is not supported: "
                          "FSDP2 shards the state already; drop shard_state")
     g = _Group(opt._shard_group, opt)
     work = _collect(opt, g)
+    ranges = [(p, group, *g.range(opt, p)) for p, group in work if p not in skip]
+    done = update_ranges(opt, [(p, group, a, b, _host_range(p.grad, a, b))
+                               for p, group, a, b in ranges if a < b])
+    mine = {p: (state, a, b) for p, state, a, b in done}
+    for p, _ in work:
+        if p in skip and opt.state.get(p):
+            a, b = g.range(opt, p)
+            mine[p] = (opt.state[p], a, b)
+    _gather_params(opt, g, [p for p, _ in work], mine)
+    stats.num_params, stats.num_batches = len(done), int(bool(done))
+    stats.host_update_s = stats.wall_s = time.perf_counter() - began
+
+
+def update_ranges(opt: Any, work: list) -> list:
+    """Update each (p, group, start, end, host gradient of the range) of ``work`` in one
+    batch: the state of p's range is made or refreshed, ``state["step"]`` committed after.
+    Returns (p, state, start, end) of each."""
+    from . import distributed
     items, done = [], []
-    for p, group in work:
-        start, end = g.range(opt, p)
-        if start == end:
-            continue
+    for p, group, start, end, grad in work:
         state = _ensure_state(opt, p, start, end)
         step = int(state["step"].item()) + 1
-        grad = _host_range(p.grad, start, end)
         out = _out(opt, p, start, end)
-        item = distributed._item(opt, p, group, state, step, grad, out, start)
-        items.append(item)
+        items.append(distributed._item(opt, p, group, state, step, grad, out, start))
         done.append((p, state, step, start, end))
     if items:
         adamw_update(items, opt._resolve_backend())
-    for p, state, step, _, _ in done:
+    for _, state, step, _, _ in done:
         state["step"].fill_(step)
-    _gather_params(opt, g, [p for p, _ in work], {p: (s, a, b) for p, s, _, a, b in done})
-    stats.num_params, stats.num_batches = len(done), int(bool(done))
-    stats.host_update_s = stats.wall_s = time.perf_counter() - began
+    return [(p, state, start, end) for p, state, _, start, end in done]
 
 
 def _collect(opt: Any, g: _Group) -> list:

@@ -21,6 +21,11 @@ synchronous ``step()`` against ``attach_hooks`` (each shard updated by a worker 
 its reduce-scatter lands), bf16 moments, interleaved; the step columns there hold the whole
 iteration too (in async mode step() only waits).
 
+ddp_async: backward+step of DDP + ``shard_state=True`` with synchronous ``step()`` against
+``attach_hooks`` (each rank's ranges updated by a worker thread as DDP's buckets are
+all-reduced; step() waits and all-gathers), bf16 moments, interleaved, the ratio against
+the synchronous one.
+
 Host state per rank is what the optimizer holds beyond the parameters (an fp32 master that
 is the parameter's own storage costs nothing extra).
 """
@@ -172,6 +177,34 @@ def _fsdp2_async_rows(args, x: torch.Tensor) -> dict:
                                                   asynchronous, asynchronous / sync)}
 
 
+def _ddp_async_rows(args, x: torch.Tensor) -> dict:
+    """backward+step of DDP + shard_state, synchronous step() against attach_hooks (each
+    rank's ranges updated as DDP's buckets are reduced), interleaved, bf16 moments."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from adambridge import AdamBridge
+    models = {mode: DDP(_plain_model(args.layers, args.width)) for mode in ("sync", "async")}
+    opts = {mode: AdamBridge(m.parameters(), lr=1e-4, precision="bf16", shard_state=True)
+            for mode, m in models.items()}
+    opts["async"].attach_hooks(models["async"])
+    whole: dict = {mode: [] for mode in models}
+    for step in range(args.steps + 1):
+        for mode in (("sync", "async") if step % 2 else ("async", "sync")):
+            dist.barrier()
+            began = time.perf_counter()
+            models[mode](x).square().mean().backward()
+            opts[mode].step()
+            whole[mode].append(time.perf_counter() - began)
+            opts[mode].zero_grad()
+    opts["async"].detach_hooks()
+    # The first async step is held (updated by step()): the medians skip two steps.
+    sync, asynchronous = (statistics.median(whole[m][2:]) for m in ("sync", "async"))
+    held = {mode: _host_bytes(opts[mode], list(m.parameters())) for mode, m in models.items()}
+    return {"ddp shard_state bf16 sync": (held["sync"], sync, 1.0, sync, 1.0),
+            "ddp shard_state bf16 attach_hooks": (held["async"],
+                                                 asynchronous, asynchronous / sync,
+                                                 asynchronous, asynchronous / sync)}
+
+
 def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -184,6 +217,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         rows.update(_fsdp2_async_rows(args, x))
     if args.wrapper in ("ddp", "both"):
         rows.update(_ddp_rows(args, x))
+    if args.wrapper in ("ddp", "ddp_async", "both"):
+        rows.update(_ddp_async_rows(args, x))
     torch.save(rows, os.path.join(out, f"{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -195,7 +230,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--wrapper", choices=("fsdp2", "fsdp2_async", "ddp", "both"), default="both")
+    parser.add_argument("--wrapper", choices=("fsdp2", "fsdp2_async", "ddp", "ddp_async",
+                                                  "both"), default="both")
     args = parser.parse_args()
     numel = args.layers * (args.width * args.width + args.width)
     print(f"{numel / 1e6:.1f}M fp32 parameters, gloo, {os.cpu_count()} CPUs, torch "

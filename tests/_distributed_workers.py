@@ -413,7 +413,6 @@ def zero_load(rank: int, world: int, out_dir: str, sharded: bool = True) -> dict
 def zero_refusals(rank: int, world: int, out_dir: str) -> dict:
     errors = {}
     model = make_model()
-    errors["async"] = _error(lambda: _sharded(model).attach_hooks(model))
     fsdp2 = shard(make_model())
     errors["fsdp2"] = _error(lambda: _step_once(fsdp2, _sharded(fsdp2)))
     model = make_model()
@@ -432,6 +431,151 @@ def zero_four(rank: int, world: int, out_dir: str) -> dict:
     """On 4 ranks: the given-gradient run, and the resume of the 2-rank checkpoint."""
     return {"zero_given_grads": zero_given_grads(rank, world, out_dir),
             "zero_load": zero_load(rank, world, out_dir)}
+
+
+def zero_async(rank: int, world: int, out_dir: str) -> dict:
+    """attach_hooks on DDP with shard_state=True against synchronous shard_state, every
+    model dtype and moment precision; then accumulation under no_sync, and the refusals."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result = {}
+    for dtype, precision in ZERO_CASES:
+        for mode in ("sync", "async"):
+            model = DDP(make_model(dtype))
+            opt = _sharded(model, precision)
+            if mode == "async":
+                opt.attach_hooks(model)
+            in_backward = []
+            for step in range(4):
+                model(batch(rank, step).to(dtype)).float().square().mean().backward()
+                if mode == "async":
+                    in_backward.append(_ranges_in_backward(opt))
+                opt.step()
+                opt.zero_grad()
+            result[dtype, precision, mode] = [p.detach().clone() for p in model.parameters()]
+            result[dtype, precision, mode, "bytes"] = opt.host_state_bytes()
+            result[dtype, precision, mode, "in backward"] = in_backward
+            opt.detach_hooks()
+    for mode in ("sync", "async"):
+        result["accumulated", mode] = _zero_accumulated(rank, mode)
+        result["loaded", mode] = _zero_loaded(rank, mode)
+        for option in ("find_unused_parameters", "static_graph"):
+            result[option, mode] = _zero_unused(rank, mode, option)
+        # The unsharded DDP pipeline, every parameter hooked.
+        result["unsharded", mode] = _zero_unused(rank, mode, "find_unused_parameters",
+                                                 shard_state=False, small_param_threshold=1)
+    result["errors"] = _zero_async_errors(rank)
+    return result
+
+
+def _ranges_in_backward(opt) -> int:
+    updater = opt._pipeline
+    updater._wait()  # the worker's batches of this backward, before step() runs
+    return len(updater._done)
+
+
+def _zero_accumulated(rank: int, mode: str) -> list:
+    """Two passes per step, the first under DDP's no_sync (no all-reduce, no comm hook)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(make_model())
+    opt = _sharded(model, "bf16")
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(3):
+        with model.no_sync():
+            model(batch(rank, 2 * step)).square().mean().backward()
+        model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _zero_loaded(rank: int, mode: str) -> list:
+    """2 steps, load_state_dict of the state with a tenth of the lr (new param_groups), 2 more."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(make_model())
+    opt = _sharded(model, "bf16")
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        if step == 2:
+            saved = opt.state_dict()
+            saved["param_groups"][0]["lr"] = LR / 10
+            opt.load_state_dict(saved)
+        model(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _PartlyUsed(torch.nn.Module):
+    """make_model's layers and one more that rank 1 uses at odd steps (``varying``: unused
+    by one rank, then by both), else no rank ever (static_graph needs the same graph)."""
+
+    def __init__(self, varying: bool) -> None:
+        super().__init__()
+        self.body, self.extra = make_model(), torch.nn.Linear(5, 5)
+        self.varying, self.step = varying, 0
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        y = self.body(x)
+        return self.extra(y) if self.varying and rank == 1 and self.step % 2 else y
+
+
+def _zero_unused(rank: int, mode: str, option: str, **kwargs) -> list:
+    """A parameter unused by some ranks (locally) or by all (globally) in some steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    inner = _PartlyUsed(varying=option == "find_unused_parameters")
+    model = DDP(inner, **{option: True})
+    opt = _sharded(model, "bf16", **kwargs)
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        inner.step = step
+        model(batch(rank, step), rank).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _zero_async_errors(rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    errors = {}
+    model = DDP(make_model())
+    opt = _sharded(model)
+    opt.attach_hooks(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(batch(rank, 0)).square().mean().backward()
+    errors["clip in the first step"] = _error(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    errors["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.step()
+    opt.zero_grad()
+    model(batch(rank, 1)).square().mean().backward()
+    errors["clip in a later step"] = _error(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    opt.step()
+    opt.zero_grad()
+    for step in (2, 3):  # a second reduced backward before step()
+        model(batch(rank, step)).square().mean().backward()
+    errors["second reduce"] = _error(opt.step)
+    errors["accumulate"] = _error(opt.accumulate)
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(batch(rank, 4)).square().mean()).backward()
+    errors["GradScaler"] = _error(lambda: scaler.unscale_(opt))
+    opt.zero_grad()
+    opt.detach_hooks()
+    errors["max_grad_norm"] = _error(
+        lambda: _sharded(model, max_grad_norm=1.0).attach_hooks(model))
+    errors["accumulation_steps"] = _error(
+        lambda: _sharded(model).attach_hooks(model, accumulation_steps=2))
+    plain = make_model()
+    errors["no ddp"] = _error(lambda: _sharded(plain).attach_hooks(plain))
+
+    return errors
 
 
 # --------------------------------------------------------------------------- FSDP2 async
@@ -459,6 +603,7 @@ def fsdp2_async(rank: int, world: int, out_dir: str) -> dict:
             opt.detach_hooks()
     for mode in ("sync", "async"):
         result["accumulated", mode] = _accumulated(rank, mode)
+        result["loaded", mode] = _fsdp2_loaded(rank, mode)
     result["errors"] = _fsdp2_async_errors(rank)
     return result
 
@@ -481,6 +626,27 @@ def _accumulated(rank: int, mode: str) -> list:
         model(batch(rank, 2 * step)).square().mean().backward()
         model.set_requires_gradient_sync(True)
         model(batch(rank, 2 * step + 1)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach_hooks()
+    return [_full(p) for p in model.parameters()]
+
+
+def _fsdp2_loaded(rank: int, mode: str) -> list:
+    """2 steps, load_state_dict with a tenth of the lr (new param_groups), 2 more."""
+    from torch.distributed.checkpoint import state_dict as sd
+    from adambridge import AdamBridge
+    model = shard(make_model(), "cpu_offload")
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16", seed=7)
+    if mode == "async":
+        opt.attach_hooks(model)
+    for step in range(4):
+        if step == 2:
+            saved = sd.get_optimizer_state_dict(model, opt)
+            for group in saved["param_groups"]:
+                group["lr"] = LR / 10
+            sd.set_optimizer_state_dict(model, opt, saved)
+        model(batch(rank, step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     opt.detach_hooks()
@@ -518,11 +684,11 @@ def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     return {f.__name__: f(rank, world, out_dir)
             for f in (fsdp2_vs_adamw, fsdp2_clipping, fsdp2_given_grads, refusals, ddp_sync,
                       ddp_async, zero_given_grads, zero_ddp, zero_save, zero_refusals,
-                      fsdp2_async)}
+                      zero_async, fsdp2_async)}
 
 
 SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
                                      dcp_save, dcp_load, hsdp_given_grads, zero_given_grads,
                                      zero_ddp, zero_save, zero_refusals, zero_four,
-                                     fsdp2_async)}
+                                     zero_async, fsdp2_async)}

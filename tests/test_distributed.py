@@ -225,11 +225,81 @@ def test_shard_state_refusals_are_one_line(two_ranks):
     errors["no_process_group"] = workers._error(
         lambda: AdamBridge(workers.make_model().parameters(), shard_state=True))
     expected = {
-        "async": "RuntimeError: attach_hooks() with shard_state=True is not supported",
         "fsdp2": "ValueError: shard_state=True with FSDP2 (DTensor) parameters",
         "grads_differ": "ValueError: shard_state=True: ranks disagree on which parameters",
         "no_process_group": "ValueError: shard_state needs torch.distributed initialized",
     }
+    for name, start in expected.items():
+        assert errors[name].startswith(start), (name, errors[name])
+        assert "\n" not in errors[name]
+
+
+@pytest.fixture(scope="module")
+def zero_async_ranks(two_ranks):
+    return _scenario(two_ranks, "zero_async")
+
+
+@pytest.mark.parametrize("dtype,precision", workers.ZERO_CASES)
+def test_shard_state_async_equals_sync_bit_for_bit(zero_async_ranks, dtype, precision):
+    from adambridge import AdamBridge
+    for result in zero_async_ranks:
+        _identical(result[dtype, precision, "async"], result[dtype, precision, "sync"])
+        # Held first step (updated by step()), then every parameter in backward (4: rank 0
+        # owns ranges of 2 of them, rank 1 of all 4; see zero.chunk_range).
+        assert result[dtype, precision, "async", "in backward"] == [0, 4, 4, 4]
+    _identical(zero_async_ranks[0][dtype, precision, "async"],
+               zero_async_ranks[1][dtype, precision, "async"])
+    # Host state: one copy between the ranks, as in the synchronous sharded step.
+    model = workers.make_model(dtype)
+    whole = AdamBridge(model.parameters(), precision=precision)
+    model(workers.batch(0, 0).to(dtype)).float().square().mean().backward()
+    whole.step()
+    per_rank = [r[dtype, precision, "async", "bytes"] for r in zero_async_ranks]
+    assert per_rank == [r[dtype, precision, "sync", "bytes"] for r in zero_async_ranks]
+    assert sum(per_rank) == whole.host_state_bytes()
+
+
+def test_shard_state_async_accumulates_under_no_sync(zero_async_ranks):
+    for result in zero_async_ranks:
+        _identical(result["accumulated", "async"], result["accumulated", "sync"])
+    _identical(zero_async_ranks[0]["accumulated", "async"],
+               zero_async_ranks[1]["accumulated", "async"])
+
+
+def test_shard_state_async_takes_the_param_groups_of_load_state_dict(zero_async_ranks):
+    for result in zero_async_ranks:
+        _identical(result["loaded", "async"], result["loaded", "sync"])
+
+
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph", "unsharded"])
+def test_shard_state_async_with_unused_parameters_equals_sync(zero_async_ranks, option):
+    for result in zero_async_ranks:
+        _identical(result[option, "async"], result[option, "sync"])
+    _identical(zero_async_ranks[0][option, "async"], zero_async_ranks[1][option, "async"])
+    # The extra layer: used by rank 1 at odd steps (rank 0 updates it in step()), or by no
+    # rank (no update, as in the synchronous step). "unsharded": the DDP pipeline, the same.
+    initial = [p.detach() for p in workers._PartlyUsed(varying=True).extra.parameters()]
+    final = zero_async_ranks[0][option, "async"][-2:]
+    moved = [not torch.equal(a, b) for a, b in zip(initial, final)]
+    assert moved == [option != "static_graph"] * 2
+
+
+def test_shard_state_async_refusals_are_one_line(zero_async_ranks):
+    errors = zero_async_ranks[0]["errors"]
+    assert errors.pop("unchanged") is True  # the refused clip of the held step changed nothing
+    expected = {
+        "clip in the first step": "RuntimeError: clip_grad_norm_ with attach_hooks() and "
+                                  "shard_state=True is not supported (nothing was changed)",
+        "clip in a later step": "RuntimeError: clip_grad_norm_ with attach_hooks() and "
+                                "shard_state=True is not supported (2 parameters' ranges",
+        "second reduce": "RuntimeError: parameter 3 received a second reduced gradient",
+        "accumulate": "RuntimeError: opt.accumulate() with attach_hooks() and shard_state=True",
+        "GradScaler": "RuntimeError: GradScaler with attach_hooks() and shard_state=True",
+        "max_grad_norm": "ValueError: attach_hooks() with shard_state=True and max_grad_norm",
+        "accumulation_steps": "ValueError: attach_hooks(accumulation_steps=..., closes_window",
+        "no ddp": "ValueError: attach_hooks() with shard_state=True needs a DDP model",
+    }
+    assert errors.keys() == expected.keys()
     for name, start in expected.items():
         assert errors[name].startswith(start), (name, errors[name])
         assert "\n" not in errors[name]
@@ -251,6 +321,11 @@ def test_fsdp2_async_equals_sync_bit_for_bit(fsdp2_async_ranks, setup):
         # updated by the worker as its reduce-scatter lands, before step() is called.
         assert result[setup, "async", "in backward"] == [0, 4, 4, 4]
     _identical(fsdp2_async_ranks[0][setup, "async"], fsdp2_async_ranks[1][setup, "async"])
+
+
+def test_fsdp2_async_takes_the_param_groups_of_load_state_dict(fsdp2_async_ranks):
+    for result in fsdp2_async_ranks:
+        _identical(result["loaded", "async"], result["loaded", "sync"])
 
 
 def test_fsdp2_async_accumulates_with_gradient_sync_off(fsdp2_async_ranks):

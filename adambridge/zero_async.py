@@ -1,0 +1,283 @@
+"""Asynchronous mode with sharded host state (``shard_state=True``) under DDP.
+
+The hook point is the DDP comm hook of distributed.hand_over_reduced: it all-reduces each
+bucket (averaged, so ``p.grad`` stays whole and correct on every rank) and hands each
+parameter's reduced gradient here, while backward goes on. Only this rank's range of it
+(zero.chunk_range) is kept; a worker thread updates every range that has landed in one
+batch (zero.update_ranges, the synchronous step's own code, so the bits are those of
+``step()``). ``step()`` waits for the worker, updates the ranges no hook delivered, and
+runs the synchronous step's all-gather of the new parameter bytes (zero.sync_step with the
+updated parameters skipped), so every rank ends with the same whole model.
+
+The first step after ``attach_hooks`` is held (updated by ``step()``), so whatever is
+refused there is refused with nothing changed. Before raising, the ranks agree on whether
+any of them failed, so one rank's error never leaves the others waiting in the all-gather.
+
+Limits, each refused in one line: the model must be a DDP model (a hook on a plain model
+would see this rank's unreduced gradient); no ``max_grad_norm``, torch clipping, GradScaler
+or autotune (step-wide facts that exist only after ranges were updated); accumulate with
+DDP's ``model.no_sync()`` on the accumulating passes (DDP then reduces nothing and calls no
+comm hook), not with ``accumulation_steps``, ``closes_window`` or ``opt.accumulate()``; a
+second reduced gradient before ``step()`` is an error.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import distributed, interception, zero
+from .stats import StepStats
+
+_log = logging.getLogger("adambridge")
+_STOP = object()
+_WAIT_S = 0.1
+
+
+def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
+           closes_window: Optional[Callable[[], bool]]) -> "RangeUpdater":
+    """attach_hooks() for an optimizer with ``shard_state``: hooks through DDP's comm hook."""
+    if distributed.holds_dtensors(opt):
+        raise ValueError("shard_state=True with FSDP2 (DTensor) parameters is not supported: "
+                         "FSDP2 shards the state already; drop shard_state")
+    if accumulation_steps != 1 or closes_window is not None:
+        raise ValueError("attach_hooks(accumulation_steps=..., closes_window=...) with "
+                         "shard_state=True is not supported; run the accumulating passes "
+                         "under DDP's model.no_sync() instead")
+    for name, value in (("max_grad_norm", opt.max_grad_norm),
+                        ("autotune", opt.autotune_config)):
+        if value is not None:
+            raise ValueError(f"attach_hooks() with shard_state=True and {name} is not "
+                             f"supported; use synchronous opt.step(), or drop {name}")
+    owned = [p for group in opt.param_groups for p in group["params"]]
+    ddp = distributed.check_attach(model, owned)
+    if ddp is None:
+        raise ValueError("attach_hooks() with shard_state=True needs a DDP model (its comm "
+                         "hook hands over the all-reduced gradients); wrap the model in "
+                         "DistributedDataParallel, or use synchronous opt.step()")
+    ids = {id(p) for p in (model.parameters() if model is not None else ddp.parameters())}
+    updater = RangeUpdater(opt, [p for p in owned if id(p) in ids and p.requires_grad])
+    distributed.hand_over_reduced(ddp, updater)
+    return updater
+
+
+class RangeUpdater:
+    """The shard_state counterpart of pipeline.Pipeline: ranges, one worker thread, finish()."""
+
+    lanes: dict = {}  # no device lanes or staging buffers (host_memory.breakdown reads it)
+
+    def __init__(self, opt: Any, params: list) -> None:
+        self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
+        self._shards = zero._Group(opt._shard_group, opt)
+        self._group_of = distributed.GroupLookup(opt)
+        self._hooked = {id(p) for p in params}
+        self._held = True           # the first step: hooks record nothing, step() updates
+        self._seen: set = set()     # parameters whose reduced gradient arrived in this step
+        self._done: set = set()     # ... and whose range the worker updated
+        self._errors: list = []
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                        name="adambridge-zero", daemon=True)
+        self._thread.start()
+        interception.register(self)
+
+    @property
+    def opt(self) -> Any:
+        return self._opt_ref()
+
+    def hooks(self, p: torch.Tensor) -> bool:
+        return id(p) in self._hooked
+
+    # ------------------------------------------------------------------ in backward
+
+    def on_grad(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
+        """DDP's comm hook: ``reduced`` is p's all-reduced gradient (a bucket view)."""
+        if self._held or p.grad is None:
+            # No p.grad (the comm hook passes none such): unused by this rank's backward.
+            # DDP writes it after the hooks if another rank used it, and step() updates it
+            # then; else the synchronous step skips it too.
+            return
+        opt = self.opt
+        with self._cond:
+            if self._errors:
+                return
+            if p in self._seen:
+                self._errors.append(RuntimeError(
+                    f"parameter {opt.index(p)} received a second reduced gradient before the "
+                    f"optimizer step (its range was updated with the first); run the "
+                    f"accumulating passes under DDP's model.no_sync()"))
+                return
+            self._seen.add(p)
+        try:
+            opt.check_gradient(p)
+            start, end = self._shards.range(opt, p)
+            # Only this rank's range crosses to the host (a view on CPU: DDP writes the
+            # bucket again only in the next backward, after step() has waited for us).
+            work = (p, self._group_of(p), start, end, zero._host_range(reduced, start, end))
+        except (RuntimeError, ValueError) as exc:
+            self._fail(exc)
+            return
+        with self._cond:
+            if start == end:
+                self._done.add(p)  # nothing of p is this rank's
+                return
+            self._pending += 1
+        self._queue.put(work)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._errors.append(exc)
+
+    def _run(self, batch: list) -> None:
+        try:
+            with self._cond:
+                skip = bool(self._errors)
+            if not skip:
+                zero.update_ranges(self.opt, batch)
+                with self._cond:
+                    self._done.update(p for p, *_ in batch)
+        except Exception as exc:  # noqa: BLE001 - raised by finish, in the caller's thread
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._pending -= len(batch)
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ step
+
+    def finish(self) -> None:
+        """opt.step(): wait for the worker, update the rest of this rank's ranges, gather."""
+        began = time.perf_counter()
+        self._wait()
+        done, errors, held = frozenset(self._done), list(self._errors), self._held
+        self._seen, self._done, self._errors = set(), set(), []
+        opt = self.opt
+        ungraded = [opt.index(p) for p in done if p.grad is None]
+        if not errors and ungraded:  # updated, then p.grad dropped: the gather would skip it
+            errors.append(RuntimeError(_unused(ungraded[0])))
+        if not errors and (getattr(opt, "grad_scale", None) is not None or
+                           getattr(opt, "found_inf", None) is not None):
+            errors.append(self._refusal("GradScaler", held, self._count_updated(done)))
+        self._agree_on_failure(errors, self._count_updated(done))
+        stats = StepStats()
+        opt.last_step_stats = stats
+        zero.sync_step(opt, stats, began, skip=done)
+        stats.num_params += self._count_updated(done)
+        self._held = False
+
+    def _count_updated(self, done: Any) -> int:
+        # ``done`` also holds the parameters of which this rank owns nothing (no state).
+        return sum(1 for p in done if self.opt.state.get(p))
+
+    def _agree_on_failure(self, errors: list, updated: int) -> None:
+        """Every rank raises if any failed: none is left waiting in the all-gather."""
+        g = self._shards
+        failed = torch.tensor([int(bool(errors))], dtype=torch.int32, device=g.device)
+        g.dist.all_reduce(failed, group=g.group)
+        if errors:
+            raise _step_error(errors[0], updated)
+        if int(failed.item()):
+            raise RuntimeError(f"adambridge: the step failed on another rank; "
+                               f"{_updated(updated)} and the all-gather was not run, so the "
+                               f"ranks' parameters differ: reload a checkpoint")
+
+    def _wait(self) -> None:
+        with self._cond:
+            while self._pending:
+                if not self._thread.is_alive():
+                    raise RuntimeError("adambridge: the shard_state update thread died; "
+                                       "detach_hooks() and attach again")
+                self._cond.wait(_WAIT_S)
+
+    def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:
+        done = "nothing was changed" if held else _updated(updated)
+        return RuntimeError(f"{what} with attach_hooks() and shard_state=True is not supported "
+                            f"({done}); detach_hooks() and use synchronous opt.step()")
+
+    # ------------------------------------------------------------------ step-wide facts
+
+    def _refuse_fact(self, what: str) -> None:
+        self._wait()
+        with self._cond:
+            updated, held = self._count_updated(self._done), self._held
+        raise self._refusal(what, held, updated)
+
+    def clip_grad_norm(self, *args: Any) -> Any:
+        self._refuse_fact("clip_grad_norm_")
+
+    def clip_with_norm(self, *args: Any) -> None:
+        self._refuse_fact("clip_grads_with_norm_")
+
+    def clip_value(self, *args: Any) -> None:
+        self._refuse_fact("clip_grad_value_")
+
+    def unscale_grads(self, *args: Any) -> dict:
+        self._refuse_fact("GradScaler")
+        return {}
+
+    def accumulate(self) -> Any:
+        raise RuntimeError("opt.accumulate() with attach_hooks() and shard_state=True is not "
+                           "supported; run the accumulating passes under DDP's "
+                           "model.no_sync() instead")
+
+    def detach(self) -> None:
+        self._hooked = set()  # the comm hook stays (DDP allows one); it only all-reduces now
+        try:
+            self._wait()
+            updated = self._count_updated(self._done)
+            if updated:
+                _log.warning("adambridge: detach_hooks() dropped an unfinished step whose "
+                             "ranges were already updated on this rank (%d parameters) but "
+                             "never all-gathered: the ranks' parameters differ", updated)
+        finally:
+            self._queue.put(_STOP)
+            self._thread.join()
+            interception.unregister(self)
+
+
+def _unused(index: int) -> str:
+    return (f"parameter {index} was updated from DDP's reduced bucket but has no gradient at "
+            f"step() (set to None in between); keep p.grad until opt.step()")
+
+
+def _updated(count: int) -> str:
+    return (f"{count} parameters' ranges of this step were already updated on this rank"
+            if count else "nothing was updated on this rank")
+
+
+def _step_error(exc: BaseException, updated: int) -> BaseException:
+    suffix = f" ({_updated(updated)})"
+    try:
+        return type(exc)(f"{exc}{suffix}")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}{suffix}")
+
+
+def _work(ref: "weakref.ref[RangeUpdater]", jobs: "queue.Queue[Any]") -> None:
+    """The worker: every range that has landed, in one batch, until told to stop."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        batch = [job]
+        while True:  # take everything else that has landed meanwhile
+            try:
+                more = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if more is _STOP:
+                jobs.put(_STOP)
+                break
+            batch.append(more)
+        updater = ref()
+        if updater is None:
+            return
+        updater._run(batch)
+        del updater

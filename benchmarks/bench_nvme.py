@@ -13,6 +13,8 @@ a noisy machine slows all alike, each reported as a median:
   committed slot, write its other slot, records of the tier's size, the same queue depth,
   then fdatasync) with no update: the I/O alone, through the tier's own engine (io_uring
   or the thread pool) and through the other one;
+- chained floor: that I/O in the tier's order (a page's write after its read, a read after
+  the write that last used its buffer), still with no update: what the order costs;
 - fio (when installed): a mixed sequential read/write of the same bytes, direct=1, libaio.
 
 Goals (issue 14): tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
@@ -126,8 +128,50 @@ class RawFloor:
             file.sync()
         return time.perf_counter() - began
 
+    def time_chained(self) -> float:
+        """The same I/O in the tier's order, still with no update: page k's write waits for
+        its read, and a read waits for the write that last used its buffer (a ring of
+        queue_depth + 1 buffers, queue_depth - 1 reads ahead, as nvme_stream.PageStream).
+        Against ``time()`` it prices the tier's dependencies; against the tier, the update."""
+        began = time.perf_counter()
+        pages, ring, files = self._pages(), self.buffers, {}
+        ahead = len(ring) - 2
+        reads, writes = {}, [None] * len(ring)
+        for i, (file, _, write_at) in enumerate(pages):
+            files[id(file)] = file
+            for j in range(i, min(i + ahead + 1, len(pages))):
+                if j not in reads:
+                    self.pool.wait(writes[j % len(ring)])
+                    reads[j] = self.pool.read(pages[j][0], ring[j % len(ring)], pages[j][1],
+                                              self.record)
+            self.pool.wait(reads.pop(i))
+            writes[i % len(ring)] = self.pool.write(file, ring[i % len(ring)], write_at,
+                                                    self.record)
+        error = self.pool.drain(writes)
+        if error is not None:
+            raise error
+        for file in files.values():
+            file.sync()
+        return time.perf_counter() - began
+
     def close(self) -> None:
         self.pool.close()
+
+
+def time_publishes(tier) -> list:
+    """Wrap ``tier._publish`` (the commit: fdatasync of the data files, manifest staged and
+    fsynced, rename) so each call's seconds are appended to the returned list."""
+    seconds, publish = [], tier._publish
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return publish(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - began)
+
+    tier._publish = timed
+    return seconds
 
 
 def fio_seconds(directory: Path, nbytes: int, record: int, queue_depth: int) -> float | None:
@@ -170,18 +214,22 @@ def _measure(args, directory: Path) -> dict:
     nbytes = pages * layout.record_bytes
     for _ in range(2):  # the first tier step writes only (new state); the second warms up
         _step(ram, ram_params, grads), _step(tier, params, grads)
+    commits = time_publishes(tier.nvme_tier)
     floors = {"floor": RawFloor(tier.nvme_tier, engine, args.queue_depth)}
     try:
         floors["floor_other"] = RawFloor(tier.nvme_tier, other, args.queue_depth)
     except ValueError:  # io_uring refused here: the tier runs on threads, so does the floor
         pass
-    times = {"ram": [], "tier": [], "io_wait": [], **{k: [] for k in floors}}
+    times = {"ram": [], "tier": [], "io_wait": [], "commit": [], "chained": [],
+             **{k: [] for k in floors}}
     for _ in range(args.repeats):
         times["ram"].append(_step(ram, ram_params, grads))
         times["tier"].append(_step(tier, params, grads))
         times["io_wait"].append(tier.last_step_stats.io_wait_s)
+        times["commit"].append(commits.pop())
         for name, floor in floors.items():
             times[name].append(floor.time())
+        times["chained"].append(floors["floor"].time_chained())
     for floor in floors.values():
         floor.close()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -221,6 +269,7 @@ def report(result: dict) -> None:
     rows = [("in-RAM step", s["ram"]), ("tier step", s["tier"]),
             (f"raw floor, {setup['io_engine']}, same bytes", s["floor"]),
             (f"raw floor, {setup['other_engine']}, same bytes", s["floor_other"]),
+            (f"chained floor, {setup['io_engine']} (the tier's order, no update)", s["chained"]),
             ("fio rw, same bytes", s["fio"])]
     for name, seconds in rows:
         if seconds is None:
@@ -228,7 +277,8 @@ def report(result: dict) -> None:
         else:  # the in-RAM step moves no file bytes: no GB/s
             rate = "" if name == "in-RAM step" else f"{nbytes / seconds / 1e9:.2f}"
             print(f"| {name} | {seconds * 1e3:.1f} | {rate} |")
-    print(f"tier I/O wait: {s['io_wait'] * 1e3:.1f} ms of {s['tier'] * 1e3:.1f} ms")
+    print(f"tier I/O wait: {s['io_wait'] * 1e3:.1f} ms of {s['tier'] * 1e3:.1f} ms; commit "
+          f"(fdatasyncs, manifest, rename): {s['commit'] * 1e3:.1f} ms")
     print(f"best floor/tier = {result['floor_over_tier']:.2f} (goal >= 0.85; same-engine "
           f"floor/tier = {result['same_engine_floor_over_tier']:.2f}); "
           f"tier/max(best floor, RAM) = {result['tier_over_bound']:.2f} (goal <= 1.10)")

@@ -85,6 +85,7 @@ class Pipeline(FactsMixin):
                 self.lanes[p.device] = Lane(make_transport(p.device), backend=backend,
                                             overlap_writeback=opt.overlap_writeback,
                                             cpus=worker_cpus(p.device, opt.numa_aware))
+        self._released = opt.release_grads  # what the staging below was made for
         _stage_small_grads(self.lanes, self.hooked, opt.release_grads)
         # NOTE: issue 11 item 6: every staging buffer is made now, on the workers.
         cuda_policy.prepare_lanes(self.lanes, self.hooked, self.owned, _SYNC_TIMEOUT_S)
@@ -151,6 +152,7 @@ class Pipeline(FactsMixin):
         index = self.opt.index(p)
         try:
             self.opt.check_gradient(p)
+            self._check_release_unchanged()
         except (RuntimeError, ValueError) as exc:
             record.fail(exc)
             return
@@ -158,6 +160,14 @@ class Pipeline(FactsMixin):
             self._enqueue(p, record, reduced)
         except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
             record.fail(exc, f"sending the gradient of parameter {index} to the host")
+
+    def _check_release_unchanged(self) -> None:
+        # Small released gradients are copied at the hook (transport.stage): a kept p.grad
+        # would then miss what clipping does to the copy.
+        if self.opt.release_grads != self._released:
+            raise ValueError(f"release_grads changed to {self.opt.release_grads} after "
+                             f"attach_hooks(); call opt.detach_hooks(), then "
+                             f"opt.attach_hooks(model)")
 
     def _track_backward(self) -> None:
         task = torch._C._current_graph_task_id()

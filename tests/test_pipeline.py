@@ -616,3 +616,16 @@ def test_reused_jobs_give_the_same_weights_as_the_sync_step():
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
     hooked.detach_hooks()
+
+
+def test_release_grads_changed_after_attach_fails_the_step_with_nothing_changed():
+    model = nn.Linear(4, 4)
+    opt = AdamBridge(model.parameters(), lr=1e-2, small_param_threshold=0)
+    opt.attach_hooks(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.release_grads = False
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ValueError, match="release_grads changed to False after attach_hooks"):
+        opt.step_sync()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.detach_hooks()

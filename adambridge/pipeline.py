@@ -85,6 +85,8 @@ class Pipeline(FactsMixin):
                 self.lanes[p.device] = Lane(make_transport(p.device), backend=backend,
                                             overlap_writeback=opt.overlap_writeback,
                                             cpus=worker_cpus(p.device, opt.numa_aware))
+        self._released = opt.release_grads  # what the staging below was made for
+        _stage_small_grads(self.lanes, self.hooked, opt.release_grads)
         # NOTE: issue 11 item 6: every staging buffer is made now, on the workers.
         cuda_policy.prepare_lanes(self.lanes, self.hooked, self.owned, _SYNC_TIMEOUT_S)
         self._record: Optional[StepRecord] = None
@@ -94,6 +96,11 @@ class Pipeline(FactsMixin):
         self._micro = 0             # backward passes ended in this accumulation window
         self._open_tasks: set = set()  # graph tasks whose end callback is pending
         self._used: dict = {}       # p -> (weakref of the kept p.grad, its version) used
+        # Reused every step (Job.begin/end), keyed by id(p): each parameter's Job, and a
+        # hooked one's (chunking, ranges, Pieces). Dropped after a failed step (its pieces
+        # may still sit in a queue), so no reused object ever carries one step into another.
+        self._jobs: dict[int, Job] = {}
+        self._pieces: dict[int, tuple] = {}
         self.uses_grad_scaler = False
         self.clips_by_value = False
         self.warned_approximate = False
@@ -145,6 +152,7 @@ class Pipeline(FactsMixin):
         index = self.opt.index(p)
         try:
             self.opt.check_gradient(p)
+            self._check_release_unchanged()
         except (RuntimeError, ValueError) as exc:
             record.fail(exc)
             return
@@ -152,6 +160,14 @@ class Pipeline(FactsMixin):
             self._enqueue(p, record, reduced)
         except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
             record.fail(exc, f"sending the gradient of parameter {index} to the host")
+
+    def _check_release_unchanged(self) -> None:
+        # Small released gradients are copied at the hook (transport.stage): a kept p.grad
+        # would then miss what clipping does to the copy.
+        if self.opt.release_grads != self._released:
+            raise ValueError(f"release_grads changed to {self.opt.release_grads} after "
+                             f"attach_hooks(); call opt.detach_hooks(), then "
+                             f"opt.attach_hooks(model)")
 
     def _track_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -211,29 +227,52 @@ class Pipeline(FactsMixin):
                 record.fail(exc)
                 return
 
-    def _job(self, p: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor],
-             pieces: int, new: bool, transport: Any) -> Job:
+    def _job_of(self, p: torch.Tensor) -> Job:
+        job = self._jobs.get(id(p))
+        if job is None:  # blank until begin(): made once per parameter
+            job = self._jobs[id(p)] = Job(None, p, 0, {}, None, 0, None, None, None, 0)
+        return job
+
+    def _start_job(self, record: StepRecord, p: torch.Tensor, grad: torch.Tensor,
+                   out: Optional[torch.Tensor], pieces: int, new: bool, transport: Any) -> Job:
+        """p's reused Job, begun for this step and entered in ``record.jobs``."""
         opt = self.opt
         state = opt.state.get(p) or None
         step = int(state["step"].item()) + 1 if state else 1
-        return Job(opt, p, opt.index(p), self.group_of[p], state, step, grad, out,
-                   transport.source(p) if new else None, pieces, transport)
+        job = self._job_of(p)
+        job.begin(opt, opt.index(p), self.group_of[p], state, step, grad, out,
+                  transport.source(p) if new else None, pieces, transport)
+        record.jobs[p] = job
+        return job
+
+    def _pieces_of(self, p: torch.Tensor, lane: Lane) -> tuple[list, list]:
+        """p's chunk ranges and its reused Pieces; remade only when the chunking changed."""
+        key = (self.opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
+        cached = self._pieces.get(id(p))
+        if cached is None or cached[0] != key:
+            ranges = chunk_ranges(p.numel(), key[0]) if key[1] else [(0, p.numel())]
+            job = self._job_of(p)
+            pieces = [Piece(job, start, end, None,
+                            WriteBack(functools.partial(lane.transport.to_device, p, start, end),
+                                      1), None)
+                      for start, end in ranges]
+            cached = self._pieces[id(p)] = (key, ranges, pieces)
+        return cached[1], cached[2]
 
     def _enqueue(self, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
         opt, lane = self.opt, self.lanes[p.device]
         new = opt.needs_values(p)  # a first update, or p written by someone else
         grad = p.grad if reduced is None else reduced
-        ranges = (chunk_ranges(p.numel(), opt.chunk_size) if p.is_contiguous()
-                  else [(0, p.numel())])
+        ranges, pieces = self._pieces_of(p, lane)
         host_grad, tickets = lane.transport.grad_to_host(p, grad, ranges, new)
         if reduced is None:
             self._release(p, grad, lane)
-        job = record.jobs[p] = self._job(p, host_grad, lane.transport.out(p), len(ranges),
-                                         new, lane.transport)
-        for (start, end), ticket in zip(ranges, tickets):
-            send = functools.partial(lane.transport.to_device, p, start, end)
-            lane.queue.put(Piece(job, start, end, ticket, WriteBack(send, 1), record))
+        self._start_job(record, p, host_grad, lane.transport.out(p), len(pieces), new,
+                        lane.transport)
+        for piece, ticket in zip(pieces, tickets):
+            piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
+            lane.queue.put(piece)
 
     def _release(self, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
         if self.opt.release_grads:
@@ -283,7 +322,7 @@ class Pipeline(FactsMixin):
         new_ids = {id(p) for p in new}
         for p, grad, out in zip(params, grads, outs):
             self._release(p, p.grad, lane)
-            job = record.jobs[p] = self._job(p, grad, out, 1, id(p) in new_ids, lane.transport)
+            job = self._start_job(record, p, grad, out, 1, id(p) in new_ids, lane.transport)
             lane.queue.put(Piece(job, 0, p.numel(), ticket, writeback, record))
 
     def drain(self, record: StepRecord) -> None:
@@ -327,7 +366,7 @@ class Pipeline(FactsMixin):
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats
-        record.jobs.clear()  # the host gradients go now, not at the next step
+        self._end_jobs(record)  # the host gradients go now, not at the next step
         if record.failed:
             _raise_step_error(record)
         if sum(len(g["params"]) for g in self.opt.param_groups) != len(self.owned):  # step done
@@ -351,6 +390,15 @@ class Pipeline(FactsMixin):
                 lane.wait(unit, _SYNC_TIMEOUT_S)
             except (RuntimeError, TimeoutError) as exc:
                 record.fail(exc)
+
+    def _end_jobs(self, record: StepRecord) -> None:
+        if record.failed:
+            # Its pieces may still be queued (a worker that timed out): never reuse them.
+            self._jobs, self._pieces = {}, {}
+        else:
+            for job in record.jobs.values():
+                job.end()
+        record.jobs.clear()
 
     def _remember_used(self, record: StepRecord) -> None:
         # A gradient kept in p.grad (release_grads=False) must not be used twice: a second
@@ -395,6 +443,7 @@ class Pipeline(FactsMixin):
     def detach(self) -> None:
         """Remove the hooks and stop the workers, always; a step in flight is dropped."""
         record, self._record = self._record, None
+        self._jobs, self._pieces = {}, {}
         self._finalizer()
         interception.unregister(self)
         for lane in self.lanes.values():
@@ -412,6 +461,19 @@ def _model_params(model: torch.nn.Module, owned: list) -> list:
         raise ValueError("attach_hooks(model): none of the model's parameters belong to this "
                          "optimizer; pass the model whose parameters you gave the optimizer")
     return found
+
+
+_STAGE_MAX_NUMEL = 4096  # above it the copy costs more than the objects it saves
+
+
+def _stage_small_grads(lanes: dict, hooked: list, release_grads: bool) -> None:
+    # Only released gradients: a kept p.grad must still show what clipping did to it.
+    if not release_grads:
+        return
+    for device, lane in lanes.items():
+        stage = getattr(lane.transport, "stage", None)
+        if stage is not None:
+            stage([p for p in hooked if p.device == device and p.numel() <= _STAGE_MAX_NUMEL])
 
 
 def _refuse_shared_hooks(hooked: list, opt: Any) -> None:

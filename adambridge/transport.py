@@ -65,16 +65,33 @@ class HostTransport:
     """Parameters already in host memory: gradients are used where they are, nothing waits.
 
     The kernel writes the new weights straight into a contiguous parameter (an fp32 one is
-    its own master); only a non-contiguous parameter gets a buffer and a copy back.
+    its own master); only a non-contiguous parameter gets a buffer and a copy back. The
+    gradients of the parameters given to ``stage`` are copied into a buffer of their own.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._out: dict[torch.Tensor, torch.Tensor] = {}
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): flat, shaped
         self._stats = CopyStats()
+
+    def stage(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy these parameters' gradients into a buffer each, made now and reused.
+
+        For small gradients that the pipeline releases: the gradient (and the two tensor
+        objects that reach it) then dies in its hook instead of living until step_sync,
+        which kept the cyclic GC busy; the copy costs less than those objects did.
+        """
+        for p in params:
+            flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+            self._staged[id(p)] = (flat, flat.view(p.shape))
 
     def grad_to_host(self, p: torch.Tensor, grad: torch.Tensor, ranges: Ranges,
                      with_values: bool) -> tuple[torch.Tensor, list]:
+        staged = self._staged.get(id(p))
+        if staged is not None:
+            staged[1].copy_(grad.detach())  # the same values in the same (logical) order
+            return staged[0], [_LANDED] * len(ranges)
         return _flat(grad.detach()), [_LANDED] * len(ranges)  # one shared ticket: no state
 
     def release(self, grad: torch.Tensor) -> None:
@@ -127,6 +144,7 @@ class HostTransport:
 
     def close(self) -> None:
         self._out.clear()
+        self._staged.clear()
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -109,6 +109,7 @@ class NativeBatch:
         self._loader = loader
         self._desc = loader.descriptors(self.items)
         self._numels = [item.numel for item in self.items]
+        self._grad_dtypes = None  # as the dtype column was last written by set_grads
 
     def __len__(self) -> int:
         return len(self.items)
@@ -121,15 +122,20 @@ class NativeBatch:
         self._loader.set_keys(self._desc, keys)
         self._loader.set_hyper(self._desc, hyper, index)
 
-    def set_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        """New gradient tensors (one per item, same numel; dtype may change), checked.
+    def set_grads(self, grads: Sequence[torch.Tensor], *, numels_checked: bool = False) -> list:
+        """New gradient tensors (one per item, same numel; dtype may change), checked; returns
+        their data pointers. ``numels_checked=True``: the caller has already checked that each
+        gradient has its item's element count (say, the parameter's shape), which is then not
+        read again; every other check (dtype, CPU, contiguity, pointer) still runs.
 
         The items then hold the new gradients, so the old ones are not kept alive.
         """
         grads = list(grads)
-        self._loader.set_grads(self._desc, grads, self._numels)
+        pointers, self._grad_dtypes = self._loader.set_grads(
+            self._desc, grads, None if numels_checked else self._numels, self._grad_dtypes)
         for item, grad in zip(self.items, grads):
             item.grad = grad
+        return pointers
 
     def run(self) -> None:
         """One native call over the whole batch."""

@@ -185,17 +185,17 @@ class StepPlan:
         grads = self.pick_grads(grads_all)
         grads = list(grads) if isinstance(grads, tuple) else [grads]
         # NOTE: no sync_transfer.on_device per new gradient: a device gradient is not on the
-        # CPU, which set_grads checks with the dtype, the element count and contiguity.
+        # CPU, which set_grads checks with the dtype and contiguity.
         if not (all(map(is_not, grads, repeat(None)))
                 and all(map(eq, map(_layout_of, grads), repeat(torch.strided)))
                 and all(map(eq, map(_shape_of, grads), self.shapes))):
             return False
         try:
-            self.batch.set_grads(grads)  # checks every pointer before writing any
+            # The shapes equal the parameters', so the element counts are the rows'.
+            pointers = self.batch.set_grads(grads, numels_checked=True)  # checks, then writes
         except ValueError:
             return False  # the full path refuses it (or copies it) with its own message
-        self.grads, self.grads_all = grads, grads_all
-        self.grad_ptrs = list(map(_data_ptr, grads))
+        self.grads, self.grads_all, self.grad_ptrs = grads, grads_all, pointers
         return True
 
     # ------------------------------------------------------------------ the step

@@ -249,3 +249,58 @@ def test_step_plan_allocates_no_container_per_parameter(fresh_grads):
     few = _collections_during_steps(20, fresh_grads)
     many = _collections_during_steps(2000, fresh_grads)
     assert many <= few + 3, f"{many} collections with 2,000 parameters, {few} with 20"
+
+
+def _batch_of(sizes):
+    from adambridge import state as host_state
+    from adambridge.functional import Hyper, NativeBatch, UpdateItem
+    hyper = Hyper.for_step(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    states = [host_state.new_state(torch.randn(n), "fp32", alias=True) for n in sizes]
+    items = [UpdateItem(master=st["master"], grad=torch.zeros(n), exp_avg=st["exp_avg"],
+                        exp_avg_sq=st["exp_avg_sq"], exp_avg_scale=None, exp_avg_sq_scale=None,
+                        out=None, offset=0, key=i, precision="fp32", stochastic_rounding=False,
+                        hyper=hyper) for i, (st, n) in enumerate(zip(states, sizes))]
+    return NativeBatch(items), states
+
+
+@pytest.mark.parametrize("bad", ["int64 dtype", "non-contiguous", "wrong count"])
+def test_set_grads_with_numels_checked_still_refuses_a_bad_gradient(bad):
+    # numels_checked skips only the element-count read (the plan passes it after comparing
+    # shapes); dtype, contiguity and, without it, the count are still checked before any write.
+    batch, states = _batch_of([4, 6])
+    before = [st["master"].clone() for st in states]
+    grad = {"int64 dtype": torch.zeros(6, dtype=torch.int64),
+            "non-contiguous": torch.zeros(12)[::2],
+            "wrong count": torch.zeros(6)}[bad]
+    if bad == "wrong count":
+        with pytest.raises(ValueError, match="Invalid grad"):
+            batch.set_grads([torch.zeros(4), torch.zeros(5)])
+        return
+    with pytest.raises(ValueError, match="Invalid grad"):
+        batch.set_grads([torch.zeros(4), grad], numels_checked=True)
+    batch.run()  # the old (zero) gradients are still in place: an update of zeros
+    assert all(torch.equal(a, st["master"]) for a, st in zip(before, states))
+
+
+def test_set_grads_rewrites_the_dtype_column_only_when_dtypes_change():
+    # The column is kept while the dtypes are the same and rewritten when one changes: each
+    # step equals an adamw_update over freshly packed items, bit for bit.
+    from adambridge.functional import adamw_update
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    cached, cached_states = _batch_of([5, 7])
+    plain, plain_states = _batch_of([5, 7])
+    for st, ref in zip(cached_states, plain_states):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            st[key].copy_(ref[key])
+    gen = torch.Generator().manual_seed(3)
+    for dtype in dtypes:
+        grads = [torch.randn(n, generator=gen).to(dtype) for n in (5, 7)]
+        pointers = cached.set_grads(grads, numels_checked=True)
+        assert pointers == [g.data_ptr() for g in grads]
+        cached.run()
+        for item, grad in zip(plain.items, grads):
+            item.grad = grad
+        adamw_update(plain.items, "native")
+        for st, ref in zip(cached_states, plain_states):
+            assert all(torch.equal(st[k].view(torch.int32), ref[k].view(torch.int32))
+                       for k in ("master", "exp_avg", "exp_avg_sq")), dtype

@@ -388,8 +388,9 @@ def set_keys(desc, keys) -> None:
 _DTYPE_OF, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
 
 
-def _grad_columns(grads: list, numels: list) -> tuple[list, list]:
-    """(pointers, dtype codes) of the gradients, each checked as _grad_pointer checks it.
+def _grad_columns(grads: list, numels: Optional[list]) -> tuple[list, list]:
+    """(pointers, dtypes) of the gradients, each checked as _grad_pointer checks it; with
+    ``numels`` None the caller has checked every element count (equal shapes, say).
 
     NOTE: issue 13: one pass per property over all gradients (C-level map) instead of one
     Python call per gradient; any failure is reported by the per-gradient check.
@@ -397,22 +398,32 @@ def _grad_columns(grads: list, numels: list) -> tuple[list, list]:
     import torch
     codes = _dtypes()
     dtypes = list(map(_DTYPE_OF, grads))
-    if (all(map(codes.__contains__, dtypes)) and list(map(torch.Tensor.numel, grads)) == numels
+    if (all(map(codes.__contains__, dtypes))
+            and (numels is None or list(map(torch.Tensor.numel, grads)) == numels)
             and all(map(_IS_CPU, grads)) and all(map(torch.Tensor.is_contiguous, grads))):
-        return list(map(torch.Tensor.data_ptr, grads)), [codes[d][0] for d in dtypes]
-    pairs = [_grad_pointer(g, n) for g, n in zip(grads, numels)]  # raises for the bad one
-    return [p for p, _ in pairs], [c for _, c in pairs]
+        return list(map(torch.Tensor.data_ptr, grads)), dtypes
+    numels = numels if numels is not None else list(map(torch.Tensor.numel, grads))
+    pointers = [_grad_pointer(g, n)[0] for g, n in zip(grads, numels)]  # raises for the bad one
+    return pointers, dtypes
 
 
-def set_grads(desc, grads, numels) -> None:
-    """The gradient column (pointer and dtype), each gradient checked against its row's n."""
+def set_grads(desc, grads, numels, written_dtypes=None) -> tuple[list, list]:
+    """The gradient column (pointer and dtype), each gradient checked against its row's n
+    (``numels`` None: the caller checked the counts). Returns (pointers, dtypes); the dtype
+    column is rewritten only if the dtypes differ from ``written_dtypes`` (what the last call
+    returned for this desc)."""
     import torch
-    grads, numels = list(grads), list(numels)
-    pointers, dtype_codes = _grad_columns(grads, numels)
+    grads = list(grads)
+    pointers, dtypes = _grad_columns(grads, None if numels is None else list(numels))
     if len(pointers) != desc.shape[0]:
         raise ValueError(f"Invalid grads: {len(pointers)} for a batch of {desc.shape[0]} ranges")
     desc.view(torch.int64)[:, _I64_GRAD] = torch.tensor(pointers, dtype=torch.int64)
-    desc.view(torch.int32)[:, _I32_KEY + 1] = torch.tensor(dtype_codes, dtype=torch.int32)
+    # (a list of dtypes compares by identity: torch.dtype objects are singletons)
+    if written_dtypes is None or dtypes != written_dtypes:
+        codes = _dtypes()
+        desc.view(torch.int32)[:, _I32_KEY + 1] = torch.tensor([codes[d][0] for d in dtypes],
+                                                               dtype=torch.int32)
+    return pointers, dtypes
 
 
 def run(desc) -> None:

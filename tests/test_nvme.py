@@ -24,9 +24,14 @@ def _uring_unavailable() -> str:
     return ""
 
 
+# What the io_uring tests wait for, and why this machine does not give it.
+NEEDS_URING = pytest.mark.skipif(
+    bool(_uring_unavailable()),
+    reason=f"needs io_uring (Linux >= 5.6, kernel.io_uring_disabled=0, no seccomp filter "
+           f"refusing io_uring_setup): {_uring_unavailable()}")
+
 # Both I/O engines run every test that takes ``engine``; io_uring only where the kernel has it.
-ENGINES = ["threads", pytest.param("io_uring", marks=pytest.mark.skipif(
-    bool(_uring_unavailable()), reason=f"io_uring refused here: {_uring_unavailable()}"))]
+ENGINES = ["threads", pytest.param("io_uring", marks=NEEDS_URING)]
 
 # Tail sizes around the 256-element pages used below: one short page, several pages with a
 # short last one, a page-exact parameter, a single element (one fp8 block of one).
@@ -390,7 +395,7 @@ class _NoPinningLibrary(_RefusingLibrary):
         return -errno.ENOMEM
 
 
-@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+@NEEDS_URING
 @pytest.mark.parametrize("pinned", [True, False], ids=["registered", "memlock refused"])
 def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monkeypatch):
     if not pinned:
@@ -410,7 +415,7 @@ def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monk
                                            "memory)")
 
 
-@pytest.mark.skipif(bool(_uring_unavailable()), reason="io_uring refused here")
+@NEEDS_URING
 def test_io_uring_is_refused_in_a_forked_child(tmp_path):
     _, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, engine="io_uring"))
     read, write = os.pipe()

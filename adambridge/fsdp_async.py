@@ -27,19 +27,15 @@ before the clip have been updated unclipped, and the error says so.
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import distributed, interception
+from . import distributed
+from .landed_worker import LandedWorker, with_suffix
 from .stats import StepStats
-
-_STOP = object()
-_WAIT_S = 0.1
 
 
 def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
@@ -67,28 +63,16 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
     return ShardUpdater(opt, [p for p in owned if p.requires_grad])
 
 
-class ShardUpdater:
+class ShardUpdater(LandedWorker):
     """The FSDP2 counterpart of pipeline.Pipeline: hooks, one worker thread, finish()."""
-
-    lanes: dict = {}  # no device lanes or staging buffers (host_memory.breakdown reads it)
 
     def __init__(self, opt: Any, params: list) -> None:
         self.opt = opt
         self._group_of = distributed.GroupLookup(opt)  # the groups as they are at each hook
         self._hooked = set(params)
-        self._held = True           # the first step: hooks record nothing, step() updates
-        self._seen: set = set()     # parameters whose gradient arrived in this step
-        self._done: set = set()     # ... and were updated by the worker
-        self._errors: list = []
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._queue: "queue.Queue[Any]" = queue.Queue()
-        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
-                                        name="adambridge-fsdp2", daemon=True)
-        self._thread.start()
+        self._start_worker("fsdp2", "FSDP2")
         hook = _hook(weakref.ref(self))
         self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-        interception.register(self)
 
     def hooks(self, p: torch.Tensor) -> bool:
         return p in self._hooked
@@ -96,56 +80,30 @@ class ShardUpdater:
     # ------------------------------------------------------------------ in backward
 
     def on_grad(self, p: torch.Tensor) -> None:
-        if self._held:
+        if self._held or not self._first_of_step(p):
             return
-        with self._cond:
-            if self._errors:
-                return
-            if p in self._seen:
-                self._errors.append(RuntimeError(
-                    f"parameter {self.opt.index(p)} received a second reduced gradient before "
-                    f"the optimizer step (its shard was updated with the first); call "
-                    f"model.set_requires_gradient_sync(False) on the accumulating passes"))
-                return
-            self._seen.add(p)
         try:
             self.opt.check_gradient(p)
             work = distributed.shard_work(self.opt, p, self._group_of(p))
         except (RuntimeError, ValueError) as exc:
             self._fail(exc)
             return
-        with self._cond:
-            self._pending += 1
-        self._queue.put(work)
+        self._enqueue(work)
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._cond:
-            self._errors.append(exc)
+    def _second_gradient(self, p: torch.Tensor) -> str:
+        return (f"parameter {self.opt.index(p)} received a second reduced gradient before the "
+                f"optimizer step (its shard was updated with the first); call "
+                f"model.set_requires_gradient_sync(False) on the accumulating passes")
 
-    def _run(self, batch: list) -> None:
-        try:
-            with self._cond:
-                skip = bool(self._errors)
-            if not skip:
-                distributed.update_shards(self.opt, batch)
-                with self._cond:
-                    self._done.update(p for p, _, _, _ in batch)
-        except Exception as exc:  # noqa: BLE001 - raised by finish, in the caller's thread
-            self._fail(exc)
-        finally:
-            with self._cond:
-                self._pending -= len(batch)
-                self._cond.notify_all()
+    def _update(self, batch: list) -> None:
+        distributed.update_shards(self.opt, batch)
 
     # ------------------------------------------------------------------ step
 
     def finish(self) -> None:
         """opt.step(): wait for the worker, update what no hook delivered, raise failures."""
         began = time.perf_counter()
-        self._wait()
-        done, errors = frozenset(self._done), list(self._errors)
-        held = self._held
-        self._seen, self._done, self._errors = set(), set(), []
+        done, errors, held = self._end_step()
         if errors:
             raise _step_error(errors[0], len(done))
         if getattr(self.opt, "grad_scale", None) is not None or \
@@ -157,39 +115,16 @@ class ShardUpdater:
         stats.num_params += len(done)
         self._held = False
 
-    def _wait(self) -> None:
-        with self._cond:
-            while self._pending:
-                if not self._thread.is_alive():
-                    raise RuntimeError("adambridge: the FSDP2 update thread died; "
-                                       "detach_hooks() and attach again")
-                self._cond.wait(_WAIT_S)
-
     def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:
         done = ("nothing was changed" if held else
                 f"{updated} shards of this step were already updated without it")
         return RuntimeError(f"{what} with attach_hooks() on FSDP2 parameters is not supported "
                             f"({done}); detach_hooks() and use synchronous opt.step()")
 
-    # ------------------------------------------------------------------ step-wide facts
-
     def _refuse_fact(self, what: str) -> None:
         with self._cond:
             updated, held = len(self._done) + self._pending, self._held
         raise self._refusal(what, held, updated)
-
-    def clip_grad_norm(self, *args: Any) -> Any:
-        self._refuse_fact("clip_grad_norm_")
-
-    def clip_with_norm(self, *args: Any) -> None:
-        self._refuse_fact("clip_grads_with_norm_")
-
-    def clip_value(self, *args: Any) -> None:
-        self._refuse_fact("clip_grad_value_")
-
-    def unscale_grads(self, *args: Any) -> dict:
-        self._refuse_fact("GradScaler")
-        return {}
 
     def accumulate(self) -> Any:
         raise RuntimeError("opt.accumulate() on FSDP2 parameters with hooks attached is not "
@@ -203,18 +138,13 @@ class ShardUpdater:
         try:
             self._wait()
         finally:
-            self._queue.put(_STOP)
-            self._thread.join()
-            interception.unregister(self)
+            self._stop_worker()
 
 
 def _step_error(exc: BaseException, updated: int) -> BaseException:
-    suffix = (f" ({updated} shards of this step were updated before it; the others were not)"
-              if updated else " (nothing was updated in this step)")
-    try:
-        return type(exc)(f"{exc}{suffix}")
-    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}{suffix}")
+    return with_suffix(exc, f" ({updated} shards of this step were updated before it; the "
+                            f"others were not)" if updated else
+                       " (nothing was updated in this step)")
 
 
 def _hook(ref: "weakref.ref[ShardUpdater]") -> Callable[[torch.Tensor], None]:
@@ -223,26 +153,3 @@ def _hook(ref: "weakref.ref[ShardUpdater]") -> Callable[[torch.Tensor], None]:
         if updater is not None and updater.opt._pipeline is updater:
             updater.on_grad(p)
     return on_reduced
-
-
-def _work(ref: "weakref.ref[ShardUpdater]", jobs: "queue.Queue[Any]") -> None:
-    """The worker: every shard that has landed, in one batch, until told to stop."""
-    while True:
-        job = jobs.get()
-        if job is _STOP:
-            return
-        batch = [job]
-        while True:  # take everything else that has landed meanwhile
-            try:
-                more = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if more is _STOP:
-                jobs.put(_STOP)
-                break
-            batch.append(more)
-        updater = ref()
-        if updater is None:
-            return
-        updater._run(batch)
-        del updater

@@ -23,20 +23,17 @@ second reduced gradient before ``step()`` is an error.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import distributed, interception, zero
+from . import distributed, zero
+from .landed_worker import LandedWorker, with_suffix
 from .stats import StepStats
 
 _log = logging.getLogger("adambridge")
-_STOP = object()
-_WAIT_S = 0.1
 
 
 def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
@@ -66,27 +63,15 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
     return updater
 
 
-class RangeUpdater:
+class RangeUpdater(LandedWorker):
     """The shard_state counterpart of pipeline.Pipeline: ranges, one worker thread, finish()."""
-
-    lanes: dict = {}  # no device lanes or staging buffers (host_memory.breakdown reads it)
 
     def __init__(self, opt: Any, params: list) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self._shards = zero._Group(opt._shard_group, opt)
         self._group_of = distributed.GroupLookup(opt)
         self._hooked = {id(p) for p in params}
-        self._held = True           # the first step: hooks record nothing, step() updates
-        self._seen: set = set()     # parameters whose reduced gradient arrived in this step
-        self._done: set = set()     # ... and whose range the worker updated
-        self._errors: list = []
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._queue: "queue.Queue[Any]" = queue.Queue()
-        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
-                                        name="adambridge-zero", daemon=True)
-        self._thread.start()
-        interception.register(self)
+        self._start_worker("zero", "shard_state")
 
     @property
     def opt(self) -> Any:
@@ -105,16 +90,8 @@ class RangeUpdater:
             # then; else the synchronous step skips it too.
             return
         opt = self.opt
-        with self._cond:
-            if self._errors:
-                return
-            if p in self._seen:
-                self._errors.append(RuntimeError(
-                    f"parameter {opt.index(p)} received a second reduced gradient before the "
-                    f"optimizer step (its range was updated with the first); run the "
-                    f"accumulating passes under DDP's model.no_sync()"))
-                return
-            self._seen.add(p)
+        if not self._first_of_step(p):
+            return
         try:
             opt.check_gradient(p)
             start, end = self._shards.range(opt, p)
@@ -131,33 +108,20 @@ class RangeUpdater:
             self._pending += 1
         self._queue.put(work)
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._cond:
-            self._errors.append(exc)
+    def _second_gradient(self, p: torch.Tensor) -> str:
+        return (f"parameter {self.opt.index(p)} received a second reduced gradient before the "
+                f"optimizer step (its range was updated with the first); run the "
+                f"accumulating passes under DDP's model.no_sync()")
 
-    def _run(self, batch: list) -> None:
-        try:
-            with self._cond:
-                skip = bool(self._errors)
-            if not skip:
-                zero.update_ranges(self.opt, batch)
-                with self._cond:
-                    self._done.update(p for p, *_ in batch)
-        except Exception as exc:  # noqa: BLE001 - raised by finish, in the caller's thread
-            self._fail(exc)
-        finally:
-            with self._cond:
-                self._pending -= len(batch)
-                self._cond.notify_all()
+    def _update(self, batch: list) -> None:
+        zero.update_ranges(self.opt, batch)
 
     # ------------------------------------------------------------------ step
 
     def finish(self) -> None:
         """opt.step(): wait for the worker, update the rest of this rank's ranges, gather."""
         began = time.perf_counter()
-        self._wait()
-        done, errors, held = frozenset(self._done), list(self._errors), self._held
-        self._seen, self._done, self._errors = set(), set(), []
+        done, errors, held = self._end_step()
         opt = self.opt
         ungraded = [opt.index(p) for p in done if p.grad is None]
         if not errors and ungraded:  # updated, then p.grad dropped: the gather would skip it
@@ -188,14 +152,6 @@ class RangeUpdater:
                                f"{_updated(updated)} and the all-gather was not run, so the "
                                f"ranks' parameters differ: reload a checkpoint")
 
-    def _wait(self) -> None:
-        with self._cond:
-            while self._pending:
-                if not self._thread.is_alive():
-                    raise RuntimeError("adambridge: the shard_state update thread died; "
-                                       "detach_hooks() and attach again")
-                self._cond.wait(_WAIT_S)
-
     def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:
         done = "nothing was changed" if held else _updated(updated)
         return RuntimeError(f"{what} with attach_hooks() and shard_state=True is not supported "
@@ -208,19 +164,6 @@ class RangeUpdater:
         with self._cond:
             updated, held = self._count_updated(self._done), self._held
         raise self._refusal(what, held, updated)
-
-    def clip_grad_norm(self, *args: Any) -> Any:
-        self._refuse_fact("clip_grad_norm_")
-
-    def clip_with_norm(self, *args: Any) -> None:
-        self._refuse_fact("clip_grads_with_norm_")
-
-    def clip_value(self, *args: Any) -> None:
-        self._refuse_fact("clip_grad_value_")
-
-    def unscale_grads(self, *args: Any) -> dict:
-        self._refuse_fact("GradScaler")
-        return {}
 
     def accumulate(self) -> Any:
         raise RuntimeError("opt.accumulate() with attach_hooks() and shard_state=True is not "
@@ -237,9 +180,7 @@ class RangeUpdater:
                              "ranges were already updated on this rank (%d parameters) but "
                              "never all-gathered: the ranks' parameters differ", updated)
         finally:
-            self._queue.put(_STOP)
-            self._thread.join()
-            interception.unregister(self)
+            self._stop_worker()
 
 
 def _unused(index: int) -> str:
@@ -253,31 +194,5 @@ def _updated(count: int) -> str:
 
 
 def _step_error(exc: BaseException, updated: int) -> BaseException:
-    suffix = f" ({_updated(updated)})"
-    try:
-        return type(exc)(f"{exc}{suffix}")
-    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}{suffix}")
+    return with_suffix(exc, f" ({_updated(updated)})")
 
-
-def _work(ref: "weakref.ref[RangeUpdater]", jobs: "queue.Queue[Any]") -> None:
-    """The worker: every range that has landed, in one batch, until told to stop."""
-    while True:
-        job = jobs.get()
-        if job is _STOP:
-            return
-        batch = [job]
-        while True:  # take everything else that has landed meanwhile
-            try:
-                more = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if more is _STOP:
-                jobs.put(_STOP)
-                break
-            batch.append(more)
-        updater = ref()
-        if updater is None:
-            return
-        updater._run(batch)
-        del updater

@@ -1,0 +1,156 @@
+"""The worker thread behind the distributed async modes: update what has landed, in batches.
+
+fsdp_async.ShardUpdater (FSDP2 shards) and zero_async.RangeUpdater (shard_state ranges) both
+take a reduced gradient in a hook during backward, queue its work, and let one thread update
+every piece that has landed since its last batch with the synchronous step's own code; the
+step waits for that thread. This module holds what the two share: the thread and its queue,
+the bookkeeping of one step (seen, done, errors, pending), and the refusal of the step-wide
+facts (clipping, GradScaler) that neither mode can apply once pieces were updated.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from typing import Any
+
+from . import interception
+
+_STOP = object()
+_WAIT_S = 0.1
+
+
+class LandedWorker(ABC):
+    """Base of the distributed updaters: ``_update(batch)`` is the subclass's update, each
+    work item a tuple whose first element is its parameter; ``_refuse_fact(what)`` raises."""
+
+    lanes: dict = {}  # no device lanes or staging buffers (host_memory.breakdown reads it)
+
+    def _start_worker(self, name: str, label: str) -> None:
+        """Start the thread ``adambridge-<name>``; ``label`` names the mode in errors."""
+        self._label = label
+        self._held = True           # the first step: hooks record nothing, step() updates
+        self._seen: set = set()     # parameters whose reduced gradient arrived in this step
+        self._done: set = set()     # ... and were updated by the worker
+        self._errors: list = []
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=_work, args=(weakref.ref(self), self._queue),
+                                        name=f"adambridge-{name}", daemon=True)
+        self._thread.start()
+        interception.register(self)
+
+    def _first_of_step(self, p: Any) -> bool:
+        """Record p's gradient in this step; False (and an error kept) on a second one."""
+        with self._cond:
+            if self._errors:
+                return False
+            if p in self._seen:
+                self._errors.append(RuntimeError(self._second_gradient(p)))
+                return False
+            self._seen.add(p)
+        return True
+
+    def _enqueue(self, work: tuple) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(work)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._errors.append(exc)
+
+    def _run(self, batch: list) -> None:
+        try:
+            with self._cond:
+                skip = bool(self._errors)
+            if not skip:
+                self._update(batch)
+                with self._cond:
+                    self._done.update(work[0] for work in batch)
+        except Exception as exc:  # noqa: BLE001 - raised by finish, in the caller's thread
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._pending -= len(batch)
+                self._cond.notify_all()
+
+    @abstractmethod
+    def _second_gradient(self, p: Any) -> str:
+        """The error for a second reduced gradient of ``p`` before the step."""
+
+    @abstractmethod
+    def _update(self, batch: list) -> None:
+        """Update every work item of ``batch`` (the synchronous step's own code)."""
+
+    def _wait(self) -> None:
+        with self._cond:
+            while self._pending:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"adambridge: the {self._label} update thread died; "
+                                       f"detach_hooks() and attach again")
+                self._cond.wait(_WAIT_S)
+
+    def _end_step(self) -> tuple:
+        """Wait for the worker; this step's (done, errors, held), the records reset."""
+        self._wait()
+        taken = frozenset(self._done), list(self._errors), self._held
+        self._seen, self._done, self._errors = set(), set(), []
+        return taken
+
+    def _stop_worker(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+        interception.unregister(self)
+
+    # --- the step-wide facts interception routes here: refused by the subclass
+
+    @abstractmethod
+    def _refuse_fact(self, what: str) -> None:
+        """Raise the one-line refusal of ``what``, saying what this step already updated."""
+
+    def clip_grad_norm(self, *args: Any) -> Any:
+        self._refuse_fact("clip_grad_norm_")
+
+    def clip_with_norm(self, *args: Any) -> None:
+        self._refuse_fact("clip_grads_with_norm_")
+
+    def clip_value(self, *args: Any) -> None:
+        self._refuse_fact("clip_grad_value_")
+
+    def unscale_grads(self, *args: Any) -> dict:
+        self._refuse_fact("GradScaler")
+        return {}
+
+
+def with_suffix(exc: BaseException, suffix: str) -> BaseException:
+    """``exc`` again, its message followed by ``suffix`` (what the failed step had updated)."""
+    try:
+        return type(exc)(f"{exc}{suffix}")
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}{suffix}")
+
+
+def _work(ref: "weakref.ref[LandedWorker]", jobs: "queue.Queue[Any]") -> None:
+    """The worker: every piece that has landed, in one batch, until told to stop."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        batch = [job]
+        while True:  # take everything else that has landed meanwhile
+            try:
+                more = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if more is _STOP:
+                jobs.put(_STOP)
+                break
+            batch.append(more)
+        updater = ref()
+        if updater is None:
+            return
+        updater._run(batch)
+        del updater

@@ -206,7 +206,7 @@ def update_shards(opt: Any, work: list) -> list:
     items, done = [], []
     for p, group, offset, grad in work:
         local, grad = local_of(p).detach(), grad.detach()
-        state = _ensure_state(opt, p, local)
+        state = ensure_range_state(opt, p, local, local)
         step = int(state["step"].item()) + 1
         out = _out(opt, p, local)
         items.append(_item(opt, p, group, state, step, _flat_host(grad), out, offset))
@@ -248,17 +248,20 @@ def _aliases(local: torch.Tensor) -> bool:
     return host_state.can_alias_master(local)
 
 
-def _ensure_state(opt: Any, p: torch.Tensor, local: torch.Tensor) -> dict:
-    """ParamOwner.ensure_state for a shard: made from, and refreshed by, the local values."""
+def ensure_range_state(opt: Any, p: torch.Tensor, values: torch.Tensor,
+                       owner: torch.Tensor) -> dict:
+    """ParamOwner.ensure_state for part of p (an FSDP2 shard, a shard_state range): the state
+    of ``values``, made from them and refreshed from them when ``owner`` (the tensor they
+    are part of) was written since the last update."""
     state = opt.state[p]
     if state:
-        if _aliases(local):
-            state["master"] = local.view(-1)  # FSDP2 may give the shard a new storage
-        elif opt._written.get(p) != (local._version, local.data_ptr()):
-            host_state.adopt_written(state, local)
+        if _aliases(owner):
+            state["master"] = values.view(-1)  # owner may have a new storage (p.data = ...)
+        elif opt._written.get(p) != (owner._version, owner.data_ptr()):
+            host_state.adopt_written(state, values)
         return state
     opt._layout[p] = (p.shape, p.dtype)
-    state.update(host_state.new_state(local, opt.precision, alias=_aliases(local)))
+    state.update(host_state.new_state(values, opt.precision, alias=_aliases(owner)))
     return state
 
 

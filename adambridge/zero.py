@@ -173,7 +173,7 @@ def update_ranges(opt: Any, work: list) -> list:
     from . import distributed
     items, done = [], []
     for p, group, start, end, grad in work:
-        state = _ensure_state(opt, p, start, end)
+        state = distributed.ensure_range_state(opt, p, p.detach().reshape(-1)[start:end], p)
         step = int(state["step"].item()) + 1
         out = _out(opt, p, start, end)
         items.append(distributed._item(opt, p, group, state, step, grad, out, start))
@@ -221,21 +221,6 @@ def _host_range(grad: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 def _aliases(p: torch.Tensor) -> bool:
     return host_state.can_alias_master(p)
-
-
-def _ensure_state(opt: Any, p: torch.Tensor, start: int, end: int) -> dict:
-    """The state of p's range: made from p's values there, refreshed if p was written."""
-    values = p.detach().reshape(-1)[start:end]
-    state = opt.state[p]
-    if state:
-        if _aliases(p):
-            state["master"] = values  # p may have a new storage (p.data = ...)
-        elif opt._written.get(p) != (p._version, p.data_ptr()):
-            host_state.adopt_written(state, values)
-        return state
-    opt._layout[p] = (p.shape, p.dtype)
-    state.update(host_state.new_state(values, opt.precision, alias=_aliases(p)))
-    return state
 
 
 def _out(opt: Any, p: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:

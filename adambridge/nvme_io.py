@@ -10,6 +10,7 @@ with one warning per directory.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -37,14 +38,38 @@ def align_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+_HUGE_PAGE = 2 << 20
+
+
+def _huge_page_map(nbytes: int) -> tuple[mmap.mmap, int]:
+    """(a private anonymous mapping, the offset in it where ``nbytes`` start).
+
+    Buffers of a huge page or more start on a 2 MiB boundary, span whole huge pages and are
+    advised to be transparent huge pages: the block layer turns every physically contiguous
+    run of a buffer into one DMA segment, and on this project's virtio disk an O_DIRECT
+    record from a buffer of 768 scattered 4 KiB pages moved ~1.5x slower than from two huge
+    pages (~1.1x with 250 runs). Where the kernel has no huge page to give, the buffer is
+    ordinary 4 KiB pages: slower, the same bytes. (``mmap.mmap(-1, n)`` alone would be
+    MAP_SHARED shmem, which transparent huge pages leave out.)"""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return mmap.mmap(-1, nbytes, flags=flags), 0
+    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    whole = mmap.mmap(-1, span + _HUGE_PAGE, flags=flags)  # the slack lets it start aligned
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(whole)) % _HUGE_PAGE
+    whole.madvise(mmap.MADV_HUGEPAGE, start, span)
+    return whole, start
+
+
 class AlignedBuffer:
-    """An anonymous mmap (page-aligned, so O_DIRECT-safe), seen as bytes and as a uint8 tensor."""
+    """Page-aligned anonymous memory (so O_DIRECT-safe; on huge pages where it can be),
+    seen as bytes and as a uint8 tensor."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = align_up(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes)
-        self.memory = memoryview(self._map)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._map, start = _huge_page_map(self.nbytes)
+        self.memory = memoryview(self._map)[start:start + self.nbytes]
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[start:start + self.nbytes]
         self._views: dict = {}
 
     def cached_views(self, key: object, make: Callable[["AlignedBuffer"], dict]) -> dict:

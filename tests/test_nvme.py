@@ -438,3 +438,34 @@ def test_io_uring_is_refused_in_a_forked_child(tmp_path):
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
+
+
+def _vm_flags(address: int) -> list:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                mapping = low <= address < high
+            elif head == "VmFlags:" and mapping:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_page_buffers_are_private_aligned_and_advised_huge():
+    # A record's physically contiguous runs become its DMA segments: a buffer of a huge page
+    # or more starts on a 2 MiB boundary in private memory advised for huge pages ('hg'),
+    # not MAP_SHARED shmem ('sh'), which transparent huge pages leave out.
+    big = nvme_io.AlignedBuffer(3 << 20)
+    address = big.tensor.data_ptr()
+    assert address % (2 << 20) == 0 and big.tensor.numel() == len(big.memory) == 3 << 20
+    flags = _vm_flags(address)
+    assert "hg" in flags and "sh" not in flags
+    small = nvme_io.AlignedBuffer(5000)
+    assert small.tensor.data_ptr() % nvme_io.ALIGN == 0 and small.nbytes == 8192
+    assert "sh" not in _vm_flags(small.tensor.data_ptr())
+    big.tensor.fill_(7)  # the whole buffer is usable memory
+    assert bytes(big.memory[-3:]) == b"\x07\x07\x07"

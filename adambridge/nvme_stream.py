@@ -70,19 +70,15 @@ class PageStream:
         write: until then the slots this step overwrites may still be the committed ones."""
         pages = [(job, k) for job in jobs for k in range(job.files.num_pages)]
         ring = self.ring(jobs[0].files.layout)
-        ahead = len(ring) - 2          # buffers of page k (updating) and k-1 (writing) stay busy
         reads: dict[int, Any] = {}
         writes: list = [None] * len(ring)
+        next_read = 0
         host_s = 0.0
         if self.first_write_s is None:
             self.first_write_s = time.perf_counter()
         try:
             for i, (job, k) in enumerate(pages):
-                for j in range(i, min(i + ahead + 1, len(pages))):
-                    if j not in reads:
-                        self.pool.wait(writes[j % len(ring)])  # its buffer is free again
-                        writes[j % len(ring)] = None
-                        reads[j] = self._read(*pages[j], ring[j % len(ring)])
+                next_read = self._read_ahead(pages, i, next_read, ring, reads, writes)
                 self.pool.wait(reads.pop(i))
                 began = time.perf_counter()
                 self._update(opt, job, k, ring[i % len(ring)], backend)
@@ -100,6 +96,24 @@ class PageStream:
             raise error
         return host_s
 
+    def _read_ahead(self, pages: list, i: int, next_read: int, ring: list, reads: dict,
+                    writes: list) -> int:
+        """Submit the reads of pages ``next_read``... in order, each into its ring buffer once
+        the write that last used that buffer is done; return the first page not yet read.
+
+        Only page ``i`` (about to be updated) waits for its buffer: blocking on a write just
+        to read further ahead would leave the disk one write to work on while the kernel
+        runs (reads finish first and then hold every buffer)."""
+        last = min(i + len(ring) - 1, len(pages))  # page i - 1's buffer is being written
+        while next_read < last:
+            slot = next_read % len(ring)
+            if next_read > i and writes[slot] is not None and not writes[slot].done():
+                break
+            self.pool.wait(writes[slot])  # done already, or page i's own buffer
+            writes[slot] = None
+            reads[next_read] = self._read(*pages[next_read], ring[slot])
+            next_read += 1
+        return next_read
     def _read(self, job: StreamJob, k: int, buffer: AlignedBuffer) -> Any:
         if job.generation == 0:
             return self.pool.call(lambda: _fresh_page(job, k, buffer))

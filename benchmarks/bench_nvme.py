@@ -13,8 +13,8 @@ a noisy machine slows all alike, each reported as a median:
   committed slot, write its other slot, records of the tier's size, the same queue depth,
   then fdatasync) with no update: the I/O alone, through the tier's own engine (io_uring
   or the thread pool) and through the other one;
-- chained floor: that I/O in the tier's order (a page's write after its read, a read after
-  the write that last used its buffer), still with no update: what the order costs;
+- chained floor: that I/O through the tier's own loop (nvme_stream.PageStream, its ring and
+  order) on the floor's engine, with the update left out: what the order costs;
 - fio (when installed): a mixed sequential read/write of the same bytes, direct=1, libaio.
 
 Goals (issue 14): tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
@@ -44,6 +44,7 @@ from adambridge.nvme import OffloadConfig  # noqa: E402
 from adambridge.nvme_engine import open_engine  # noqa: E402
 from adambridge.nvme_io import AlignedBuffer  # noqa: E402
 from adambridge.nvme_layout import PageLayout  # noqa: E402
+from adambridge.nvme_stream import PageStream, StreamJob  # noqa: E402
 
 
 def _numel(text: str) -> int:
@@ -89,6 +90,14 @@ def validate(precision: str, directory: Path, args) -> None:
         os.unlink(directory / name)
 
 
+class _IOOnlyStream(PageStream):
+    """The tier's streaming loop with the update taken out."""
+
+    @staticmethod
+    def _update(opt, job, k, buffer, backend) -> None:
+        return None
+
+
 class RawFloor:
     """The tier's I/O without the update: each page's committed slot read and its other slot
     written, on the tier's own files (the same extents, so where the disk placed a file cannot
@@ -101,6 +110,8 @@ class RawFloor:
         self.pool = open_engine(engine, queue_depth)
         self.buffers = [AlignedBuffer(self.record) for _ in range(queue_depth + 1)]
         self.pool.register(self.buffers)  # as the tier's page ring
+        self.stream = _IOOnlyStream(self.pool)
+        self.stream.buffers = self.buffers  # its ring: the same registered buffers
 
     def _pages(self) -> list:
         pages = []
@@ -129,29 +140,18 @@ class RawFloor:
         return time.perf_counter() - began
 
     def time_chained(self) -> float:
-        """The same I/O in the tier's order, still with no update: page k's write waits for
-        its read, and a read waits for the write that last used its buffer (a ring of
-        queue_depth + 1 buffers, queue_depth - 1 reads ahead, as nvme_stream.PageStream).
-        Against ``time()`` it prices the tier's dependencies; against the tier, the update."""
+        """The tier's own paged loop (nvme_stream.PageStream: its ring, its read-ahead, its
+        write order) on this floor's engine, with the update left out: page k's write after
+        its read, a read into a buffer only once that buffer's write is done. Against
+        ``time()`` it prices the tier's dependencies; against the tier, the update."""
         began = time.perf_counter()
-        pages, ring, files = self._pages(), self.buffers, {}
-        ahead = len(ring) - 2
-        reads, writes = {}, [None] * len(ring)
-        for i, (file, _, write_at) in enumerate(pages):
-            files[id(file)] = file
-            for j in range(i, min(i + ahead + 1, len(pages))):
-                if j not in reads:
-                    self.pool.wait(writes[j % len(ring)])
-                    reads[j] = self.pool.read(pages[j][0], ring[j % len(ring)], pages[j][1],
-                                              self.record)
-            self.pool.wait(reads.pop(i))
-            writes[i % len(ring)] = self.pool.write(file, ring[i % len(ring)], write_at,
-                                                    self.record)
-        error = self.pool.drain(writes)
-        if error is not None:
-            raise error
-        for file in files.values():
-            file.sync()
+        jobs = [StreamJob(None, None, 0, None, None, files, None,
+                          self.tier._committed[files.index][0])
+                for files in self.tier._files.values()]
+        self.stream.run(None, jobs, "native")
+        for files in self.tier._files.values():
+            for file in files.files:
+                file.sync()
         return time.perf_counter() - began
 
     def close(self) -> None:

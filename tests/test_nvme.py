@@ -440,6 +440,69 @@ def test_io_uring_is_refused_in_a_forked_child(tmp_path):
     opt.step()
 
 
+class _ScriptedRequest:
+    """A request that is done only once the stream waits for it (a slow write) or at once."""
+
+    def __init__(self, kind: str, page: int, done: bool) -> None:
+        self.kind, self.page, self.finished = kind, page, done
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class _ScriptedEngine:
+    """Reads land at once; a write lands only when waited for: the order of those waits is
+    the order in which the stream blocked on writes."""
+
+    queue_depth = 4
+
+    def __init__(self, record: int) -> None:
+        self.record, self.blocked_on, self.updated = record, [], 0
+
+    def register(self, buffers: list) -> None:
+        pass
+
+    def read(self, file, buffer, offset: int, nbytes: int) -> _ScriptedRequest:
+        return _ScriptedRequest("read", offset // (2 * self.record), True)
+
+    def write(self, file, buffer, offset: int, nbytes: int) -> _ScriptedRequest:
+        return _ScriptedRequest("write", offset // (2 * self.record), False)
+
+    def wait(self, request) -> None:
+        if request is not None and not request.finished:
+            self.blocked_on.append((request.page, self.updated))
+            request.finished = True
+
+    def drain(self, requests: list):
+        for request in requests:
+            self.wait(request)
+        return None
+
+
+def test_stream_reads_ahead_without_blocking_on_writes_it_does_not_need(tmp_path, monkeypatch):
+    # While writes are slow, the page ring must only wait for the write whose buffer the
+    # next page to update needs (page i - ring size), never for a newer one just to read
+    # further ahead: that would leave the disk one write to work on during each update.
+    from adambridge import nvme_layout, nvme_stream
+    layout = PageLayout("fp32", 256)
+    files = nvme_layout.ParamFiles((tmp_path,), 0, 20 * 256, layout)
+    engine = _ScriptedEngine(layout.record_bytes)
+    stream = nvme_stream.PageStream(engine)
+
+    def update(*args) -> None:
+        engine.updated += 1
+
+    monkeypatch.setattr(nvme_stream.PageStream, "_update", staticmethod(update))
+    job = nvme_stream.StreamJob(None, None, 1, None, None, files, None, generation=1)
+    stream.run(None, [job], "native")
+    ring = engine.queue_depth + 1
+    # (page whose write was waited for, pages updated by then): page w's write blocks only
+    # when page w + ring is next, then the final drain waits for the last ones.
+    assert engine.blocked_on == ([(w, w + ring) for w in range(20 - ring)] +
+                                 [(w, 20) for w in range(20 - ring, 20)])
+    files.close()
+
+
 def _vm_flags(address: int) -> list:
     """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
     mapping = None

@@ -36,7 +36,7 @@ _version_of = attrgetter("_version")
 # torch.dtype is a singleton).
 _facts = attrgetter("shape", "dtype")
 _shape_of = itemgetter(0)  # of a _facts tuple
-_is_cpu = attrgetter("is_cpu")
+_new_grad_facts = attrgetter("is_cpu", "shape", "dtype")  # a new gradient's device too
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 _MOMENTS = ("master", "exp_avg", "exp_avg_sq")
@@ -102,7 +102,7 @@ class StepPlan:
                                   for p, group, state, step in work])
         self.grads = [item.grad for item in self.batch.items]
         self.grad_ptrs = list(map(_data_ptr, self.grads))
-        self.grad_facts = list(map(_facts, self.grads))  # as the dtype column was written
+        self._grad_facts(list(map(_facts, self.grads)))  # as the dtype column was written
         self.ptrs = list(map(_data_ptr, self.params))
         self.facts = list(map(_facts, self.params))
         self.state_refs = list(chain.from_iterable(map(_state_refs, self.states)))
@@ -171,7 +171,7 @@ class StepPlan:
         """Same storage, shape, dtype, contiguity and (if not their own master) nobody
         else's writes."""
         params = self.params
-        return (list(map(_data_ptr, params)) == self.ptrs
+        return (all(map(eq, map(_data_ptr, params), self.ptrs))
                 and all(map(eq, map(_facts, params), self.facts))
                 and all(map(_is_contiguous, params))
                 and (not self.copied or list(map(_version_of, self.copied)) == self.versions))
@@ -194,9 +194,15 @@ class StepPlan:
         """The plan's gradient objects still have the storage, shape, dtype and contiguity
         they were taken in with (g.data = ... and resize_ keep the object)."""
         grads = self.grads
-        return (list(map(_data_ptr, grads)) == self.grad_ptrs
+        return (all(map(eq, map(_data_ptr, grads), self.grad_ptrs))
                 and all(map(eq, map(_facts, grads), self.grad_facts))
                 and all(map(_is_contiguous, grads)))
+
+    def _grad_facts(self, facts: list) -> None:
+        # (shape, dtype) of the gradients the columns hold; with is_cpu True, what a new one
+        # must show to take their place without a dtype column write.
+        self.grad_facts = facts
+        self.new_grad_facts = [(True, *f) for f in facts]
 
     def _take_grads(self, grads_all: list) -> bool:
         """New gradient tensors (or new storage) on the same parameters: checked as the full
@@ -213,22 +219,23 @@ class StepPlan:
             # pointer for each is also the check that each is strided.
             pointers = list(map(_data_ptr, grads))
             # (compared as made: a list of 10,000 tuples would start the cyclic GC)
-            same_facts = all(map(eq, map(_facts, grads), self.grad_facts))
+            same_facts = all(map(eq, map(_new_grad_facts, grads), self.new_grad_facts))
         except RuntimeError:
             return False  # the full path refuses it with its own message
-        if not (all(map(_is_contiguous, grads)) and all(map(_is_cpu, grads))):
+        if not all(map(_is_contiguous, grads)):
             return False
-        if same_facts:  # the parameters' shapes and the dtypes of the column
+        if same_facts:  # on the CPU, the parameters' shapes, the dtypes of the column
             self.batch.take_checked_grads(grads, pointers)
         else:  # (rare: a dtype changed, or something the full path refuses)
             facts = list(map(_facts, grads))
             if not all(map(eq, map(_shape_of, facts), map(_shape_of, self.facts))):
                 return False
             try:
-                pointers = self.batch.set_grads(grads, numels_checked=True)  # checks, writes
+                # checks the device, dtype and contiguity, then writes both columns
+                pointers = self.batch.set_grads(grads, numels_checked=True)
             except ValueError:
                 return False  # the full path refuses it (or copies it) with its own message
-            self.grad_facts = facts
+            self._grad_facts(facts)
         self.grads, self.grads_all, self.grad_ptrs = grads, grads_all, pointers
         return True
 

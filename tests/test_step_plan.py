@@ -390,3 +390,15 @@ def test_step_plan_is_not_built_over_an_empty_parameter():
         opt.step()
     assert opt._plan is None
     assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("key", ["exp_avg_sq", "exp_avg_sq_scale"])
+def test_step_plan_does_not_fit_a_state_missing_an_entry(key):
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 130)]
+    opt = AdamBridge(params, backend="native", precision="fp8")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None and opt._plan.fits(opt)
+    del opt.state[params[1]][key]
+    assert not opt._plan.fits(opt)

@@ -137,6 +137,16 @@ class NativeBatch:
             item.grad = grad
         return pointers
 
+    def take_checked_grads(self, grads: Sequence[torch.Tensor], pointers: Sequence[int]) -> None:
+        """New gradient tensors the caller has checked as ``set_grads`` would (contiguous, on
+        the CPU, each its item's element count) whose dtypes are those of the last
+        ``set_grads`` (or construction), with their ``data_ptr()``s: only the pointer column
+        is written. Anything unchecked goes through ``set_grads``.
+        """
+        self._loader.set_grad_pointers(self._desc, pointers)
+        for item, grad in zip(self.items, grads):
+            item.grad = grad
+
     def run(self) -> None:
         """One native call over the whole batch."""
         self._loader.run(self._desc)

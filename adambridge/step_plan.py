@@ -30,14 +30,20 @@ from .functional import Hyper, NativeBatch, stream_keys
 from .state import can_alias_master
 
 _grad_of = attrgetter("grad")
-_shape_of = attrgetter("shape")
-_dtype_of = attrgetter("dtype")
-_layout_of = attrgetter("layout")
 _version_of = attrgetter("_version")
+# One call for two facts of a tensor: its shape and dtype. The tuple holds no tensor, so
+# comparing two of them never calls Tensor.__eq__ (a torch.Size compares its ints, a
+# torch.dtype is a singleton).
+_facts = attrgetter("shape", "dtype")
+_shape_of = itemgetter(0)  # of a _facts tuple
+_new_grad_facts = attrgetter("is_cpu", "shape", "dtype")  # a new gradient's device too
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
 _MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
+# What the plan reads from a state dict, in one lookup per dict (raises KeyError if one went).
+_state_refs = itemgetter("step", *_MOMENTS)
+_scale_refs = itemgetter(*_SCALES)
 
 
 def _same(a: Sequence, b: Sequence) -> bool:
@@ -46,7 +52,10 @@ def _same(a: Sequence, b: Sequence) -> bool:
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.layout == torch.strided and t.is_contiguous() \
+    # Not empty: the checks per step take an unchanged data pointer to mean the same CPU
+    # memory (CUDA's unified addressing never hands out a host address), and an empty
+    # tensor's pointer, 0 on any device, says nothing.
+    return t.is_cpu and t.layout == torch.strided and t.is_contiguous() and t.numel() > 0 \
         and not sync_transfer.on_device(t)
 
 
@@ -93,12 +102,12 @@ class StepPlan:
                                   for p, group, state, step in work])
         self.grads = [item.grad for item in self.batch.items]
         self.grad_ptrs = list(map(_data_ptr, self.grads))
+        self._grad_facts(list(map(_facts, self.grads)))  # as the dtype column was written
         self.ptrs = list(map(_data_ptr, self.params))
-        self.shapes = list(map(_shape_of, self.params))
-        self.dtypes = list(map(_dtype_of, self.params))
-        self.tensors = {key: list(map(itemgetter(key), self.states)) for key in _MOMENTS}
+        self.facts = list(map(_facts, self.params))
+        self.state_refs = list(chain.from_iterable(map(_state_refs, self.states)))
         self.fp8 = [state for state in self.states if _SCALES[0] in state]
-        self.scales = {key: list(map(itemgetter(key), self.fp8)) for key in _SCALES}
+        self.scale_refs = list(chain.from_iterable(map(_scale_refs, self.fp8)))
         # Parameters that are not their own master: a write by anyone else must reach the
         # master, which the full path does (ParamOwner.ensure_state), so a changed version
         # sends the step there.
@@ -116,8 +125,7 @@ class StepPlan:
     def _share_steps(self) -> None:
         # One tensor of every step counter; each state's "step" becomes a 0-d view of it.
         self.steps = torch.stack([state["step"] for state in self.states])
-        self.step_views = list(self.steps.unbind(0))
-        for state, view in zip(self.states, self.step_views):
+        for state, view in zip(self.states, self.steps.unbind(0)):
             state["step"] = view
 
     def _index_rows(self, opt: Any, work: Sequence[tuple]) -> None:
@@ -146,55 +154,88 @@ class StepPlan:
         if not (_same(flat, self.flat) and self._same_params() and self._same_states(opt)):
             return False
         grads_all = list(map(_grad_of, flat))
-        if _same(grads_all, self.grads_all):
-            # Shapes too: a gradient resized in place keeps its pointer (resize_ to fewer).
-            if list(map(_data_ptr, self.grads)) == self.grad_ptrs \
-                    and all(map(eq, map(_shape_of, self.grads), self.shapes)):
-                return True
+        if _same(grads_all, self.grads_all) and self._same_grads():
+            return True
         return self._take_grads(grads_all)
 
+    # NOTE: issue 13: each pass below is one C-level call per tensor, and after the kernel
+    # has streamed the state through the caches each one also waits for that tensor's
+    # metadata to come back from memory: the fewer passes, the faster. What is checked is
+    # what the kernel's row relies on (data pointer, shape, dtype, contiguity), plus the
+    # device of a new gradient; an unchanged pointer of a (never empty) plan tensor is
+    # the same host memory, so its device is not read again. Nothing is inferred from the
+    # autograd version: p.data = ..., g.data = ... and swap_tensors change a layout (even
+    # keeping the pointer: a view, a transpose, another dtype) without bumping it.
+
     def _same_params(self) -> bool:
-        """Same storage, layout and (if not their own master) nobody else's writes."""
+        """Same storage, shape, dtype, contiguity and (if not their own master) nobody
+        else's writes."""
         params = self.params
-        return (list(map(_data_ptr, params)) == self.ptrs
+        return (all(map(eq, map(_data_ptr, params), self.ptrs))
+                and all(map(eq, map(_facts, params), self.facts))
                 and all(map(_is_contiguous, params))
-                and all(map(eq, map(_shape_of, params), self.shapes))
-                and all(map(is_, map(_dtype_of, params), self.dtypes))  # dtypes are singletons
                 and (not self.copied or list(map(_version_of, self.copied)) == self.versions))
 
     def _same_states(self, opt: Any) -> bool:
         """The same state dicts, holding the same tensors (replacing one rebuilds the plan)."""
         # Reading opt.state in order hashes no tensor (Tensor.__hash__ is Python code).
         if not (opt.state is self.state and _same(list(self.state.keys()), self.state_keys)
-                and _same(list(self.state.values()), self.state_values)
-                and _same(list(map(itemgetter("step"), self.states)), self.step_views)):
+                and _same(list(self.state.values()), self.state_values)):
             return False
-        for key, tensors in self.tensors.items():
-            if not all(map(is_, map(itemgetter(key), self.states), tensors)):
-                return False
-        for key, tensors in self.scales.items():
-            if not all(map(is_, map(itemgetter(key), self.fp8), tensors)):
-                return False
-        return True
+        try:
+            return (all(map(is_, chain.from_iterable(map(_state_refs, self.states)),
+                            self.state_refs))
+                    and all(map(is_, chain.from_iterable(map(_scale_refs, self.fp8)),
+                                self.scale_refs)))
+        except KeyError:
+            return False  # an entry was deleted: the full path says which
+
+    def _same_grads(self) -> bool:
+        """The plan's gradient objects still have the storage, shape, dtype and contiguity
+        they were taken in with (g.data = ... and resize_ keep the object)."""
+        grads = self.grads
+        return (all(map(eq, map(_data_ptr, grads), self.grad_ptrs))
+                and all(map(eq, map(_facts, grads), self.grad_facts))
+                and all(map(_is_contiguous, grads)))
+
+    def _grad_facts(self, facts: list) -> None:
+        # (shape, dtype) of the gradients the columns hold; with is_cpu True, what a new one
+        # must show to take their place without a dtype column write.
+        self.grad_facts = facts
+        self.new_grad_facts = [(True, *f) for f in facts]
 
     def _take_grads(self, grads_all: list) -> bool:
-        """New gradient tensors on the same parameters: checked as the full path checks them
-        (anything it would refuse or copy answers False, so the full path does that)."""
+        """New gradient tensors (or new storage) on the same parameters: checked as the full
+        path checks them (anything it would refuse or copy answers False, so the full path
+        does that), then their pointers (and, if a dtype changed, dtypes) are written."""
         if sum(map(is_not, grads_all, repeat(None))) != len(self.params):
             return False
         grads = self.pick_grads(grads_all)
         grads = list(grads) if isinstance(grads, tuple) else [grads]
-        # NOTE: no sync_transfer.on_device per new gradient: a device gradient is not on the
-        # CPU, which set_grads checks with the dtype and contiguity.
-        if not (all(map(is_not, grads, repeat(None)))
-                and all(map(eq, map(_layout_of, grads), repeat(torch.strided)))
-                and all(map(eq, map(_shape_of, grads), self.shapes))):
+        if not all(map(is_not, grads, repeat(None))):
             return False
         try:
-            # The shapes equal the parameters', so the element counts are the rows'.
-            pointers = self.batch.set_grads(grads, numels_checked=True)  # checks, then writes
-        except ValueError:
-            return False  # the full path refuses it (or copies it) with its own message
+            # data_ptr() raises for every layout without a storage (sparse, mkldnn), so a
+            # pointer for each is also the check that each is strided.
+            pointers = list(map(_data_ptr, grads))
+            # (compared as made: a list of 10,000 tuples would start the cyclic GC)
+            same_facts = all(map(eq, map(_new_grad_facts, grads), self.new_grad_facts))
+        except RuntimeError:
+            return False  # the full path refuses it with its own message
+        if not all(map(_is_contiguous, grads)):
+            return False
+        if same_facts:  # on the CPU, the parameters' shapes, the dtypes of the column
+            self.batch.take_checked_grads(grads, pointers)
+        else:  # (rare: a dtype changed, or something the full path refuses)
+            facts = list(map(_facts, grads))
+            if not all(map(eq, map(_shape_of, facts), map(_shape_of, self.facts))):
+                return False
+            try:
+                # checks the device, dtype and contiguity, then writes both columns
+                pointers = self.batch.set_grads(grads, numels_checked=True)
+            except ValueError:
+                return False  # the full path refuses it (or copies it) with its own message
+            self._grad_facts(facts)
         self.grads, self.grads_all, self.grad_ptrs = grads, grads_all, pointers
         return True
 

@@ -13,7 +13,8 @@ issue 13. Rows, interleaved, medians:
 - AdamBridge.step(), N parameters: the whole optimizer step, its gradients the same tensors
   every step (the cached step plan refreshes keys and hyperparameters only);
 - AdamBridge.step(), N parameters, new grad tensors: every step sees new p.grad tensors (as
-  after zero_grad(set_to_none=True) and backward), so the plan takes in their pointers;
+  after zero_grad(set_to_none=True) and backward), so the plan takes in their pointers; the
+  row includes its own N ``p.grad = g``, timed alone in the row after it;
 - torch.optim.AdamW(fused=True) on the N parameters and on one of the same total.
 
 Then the async pipeline's per-gradient cost: a chain of N/2 Linear(16, 16) layers (N small
@@ -112,6 +113,19 @@ def optimizer_new_grads_variant(params: Params):
     return run
 
 
+def grad_assignment_variant(params: Params):
+    """Only the new-grads row's own loop: N ``p.grad = g`` (torch's setter checks each)."""
+    ps = [torch.nn.Parameter(m.clone()) for m in params.masters]
+    grad_sets = [[g.clone() for g in params.grads] for _ in range(2)]
+    turn = [0]
+
+    def run() -> None:
+        turn[0] ^= 1
+        for p, g in zip(ps, grad_sets[turn[0]]):
+            p.grad = g
+    return run
+
+
 def validate(count: int) -> None:
     """NativeBatch over many small tensors equals the torch backend bit for bit, or we stop."""
     results = []
@@ -140,6 +154,7 @@ def main(numel: int, count: int, threads: int, repeats: int) -> None:
         f"native, {count} tensors, adamw_update": rebuilt_variant(many),
         f"AdamBridge.step(), {count} params": optimizer_variant(Params(numel, count)),
         f"AdamBridge.step(), {count} params, new grads": optimizer_new_grads_variant(many),
+        f"  of which setting {count} p.grad": grad_assignment_variant(many),
         f"torch AdamW(fused), {count} params": torch_fused_variant(many),
         "torch AdamW(fused), one param": torch_fused_variant(one),
     }

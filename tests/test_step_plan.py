@@ -304,3 +304,101 @@ def test_set_grads_rewrites_the_dtype_column_only_when_dtypes_change():
         for st, ref in zip(cached_states, plain_states):
             assert all(torch.equal(st[k].view(torch.int32), ref[k].view(torch.int32))
                        for k in ("master", "exp_avg", "exp_avg_sq")), dtype
+
+
+# --------------------------------------------------------------- what the checks must still see
+
+def _transpose_grad_data(opt, p):
+    p.grad.data = p.grad.data.t()  # same object, same pointer and shape: not contiguous
+
+
+def _square_run(backend: str, change) -> list:
+    gen = torch.Generator().manual_seed(13)
+    params = [torch.nn.Parameter(torch.randn(n, n, generator=gen)) for n in (3, 6, 5)]
+    opt = AdamBridge(params, lr=1e-2, backend=backend)
+    trace = []
+    for step in range(5):
+        if step != 3:
+            _fresh_grads(params, gen)
+        else:
+            change(opt, params[1])
+        opt.step()
+        trace.append(_snapshot(opt, params))
+    return trace
+
+
+def test_step_plan_sees_the_same_gradient_transposed_behind_its_pointer():
+    _assert_same(_square_run("native", _transpose_grad_data),
+                 _square_run("torch", _transpose_grad_data), "the same gradient transposed")
+
+
+def test_step_plan_does_not_fit_a_parameter_transposed_behind_its_pointer():
+    # p.data = p.data.t() keeps the pointer, the shape and the version: only contiguity tells.
+    params = [torch.nn.Parameter(torch.randn(n, n)) for n in (3, 6)]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None and opt._plan.fits(opt)
+    params[1].data = params[1].data.t()
+    assert not opt._plan.fits(opt)
+
+
+def _planned_pair(shape=(5,), dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for _ in range(2)]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None
+    return opt, params
+
+
+def _same_grad_as_int32(params):
+    params[1].grad.data = params[1].grad.data.view(torch.int32)  # same pointer and shape
+
+
+def _param_reshaped(params):
+    params[1].data = params[1].data.view(2, 3)  # same pointer, same count, no version bump
+    params[1].grad = params[1].grad.view(2, 3)
+
+
+def _new_sparse_grad(params):
+    params[1].grad = torch.randn(6).to_sparse()
+
+
+@pytest.mark.parametrize("spoil, error, match", [
+    (_same_grad_as_int32, ValueError, r"Invalid gradient of parameter 1: dtype torch.int32"),
+    (_param_reshaped, ValueError, r"Parameter 1 changed from \(6,\)"),
+    (_new_sparse_grad, RuntimeError, r"Invalid gradient of parameter 1: sparse"),
+], ids=["same gradient viewed as int32", "parameter reshaped in place", "new sparse gradient"])
+def test_step_plan_refuses_what_the_full_path_refuses(spoil, error, match):
+    opt, params = _planned_pair(shape=(6,))
+    before = _snapshot(opt, params)
+    spoil(params)
+    with pytest.raises(error, match=match):
+        opt.step()
+    _assert_same([_snapshot(opt, params)], [before], "after the refused step")
+
+
+def test_step_plan_is_not_built_over_an_empty_parameter():
+    # An empty tensor's data pointer is 0 wherever it lives, so a plan could not tell it moved.
+    params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(0))]
+    opt = AdamBridge(params, backend="native")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is None
+    assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("key", ["exp_avg_sq", "exp_avg_sq_scale"])
+def test_step_plan_does_not_fit_a_state_missing_an_entry(key):
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 130)]
+    opt = AdamBridge(params, backend="native", precision="fp8")
+    for _ in range(2):
+        _fresh_grads(params, torch.Generator().manual_seed(0))
+        opt.step()
+    assert opt._plan is not None and opt._plan.fits(opt)
+    del opt.state[params[1]][key]
+    assert not opt._plan.fits(opt)

@@ -12,6 +12,7 @@ Environment:
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import operator
@@ -417,13 +418,24 @@ def set_grads(desc, grads, numels, written_dtypes=None) -> tuple[list, list]:
     pointers, dtypes = _grad_columns(grads, None if numels is None else list(numels))
     if len(pointers) != desc.shape[0]:
         raise ValueError(f"Invalid grads: {len(pointers)} for a batch of {desc.shape[0]} ranges")
-    desc.view(torch.int64)[:, _I64_GRAD] = torch.tensor(pointers, dtype=torch.int64)
+    set_grad_pointers(desc, pointers)
     # (a list of dtypes compares by identity: torch.dtype objects are singletons)
     if written_dtypes is None or dtypes != written_dtypes:
         codes = _dtypes()
         desc.view(torch.int32)[:, _I32_KEY + 1] = torch.tensor([codes[d][0] for d in dtypes],
                                                                dtype=torch.int32)
     return pointers, dtypes
+
+
+def set_grad_pointers(desc, pointers) -> None:
+    """The gradient pointer column from checked data pointers (one int per row)."""
+    import torch
+    if len(pointers) != desc.shape[0]:
+        raise ValueError(f"Invalid grads: {len(pointers)} for a batch of {desc.shape[0]} ranges")
+    # (an int64 array read in place: half the time of torch.tensor over a list of ints)
+    column = torch.frombuffer(array.array("q", pointers), dtype=torch.int64) if pointers \
+        else torch.zeros(0, dtype=torch.int64)
+    desc.view(torch.int64)[:, _I64_GRAD] = column
 
 
 def run(desc) -> None:

@@ -71,7 +71,8 @@ class Tier:
         self._landed_step: Any = lambda: None              # the StepRecord they belong to
         self._last_commit_s: Optional[float] = None
         self._renamed: Optional[Future] = None  # the directory fsync of the last publish
-        weakref.finalize(self, _close, self.pool, self._lock_fds, self._files)
+        self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
+                                           self._files)
 
     # -- placement
 
@@ -344,7 +345,13 @@ def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
 
 
 def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
-    pool.close()
+    # NOTE: a finalizer runs wherever the cyclic GC happens to run, including inside
+    # threading's own bookkeeping while it holds its locks (a new thread registering itself
+    # in Thread._set_tstate_lock); joining a thread there waits for one of those locks
+    # forever (seen as a hang in Thread.start). So the helper threads are told to stop and
+    # left to exit; nothing of theirs can still be queued once the tier is unreachable but
+    # the directory fsync of the last commit, which they finish.
+    pool.close(join=False)
     for param_files in files.values():
         param_files.close()
     for fd in lock_fds:

@@ -261,10 +261,12 @@ class IOEngine:
                 first = first or exc
         return first
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
+        """Stop the helper threads; ``join=False`` lets them finish their queue and exit on
+        their own (what the tier's finalizer needs, see nvme._close)."""
         # A pool thread that drops the last reference to the tier must not join itself.
         inside = threading.current_thread().name.startswith("adambridge-io")
-        self._pool.shutdown(wait=not inside)
+        self._pool.shutdown(wait=join and not inside)
 
 
 def transfer_error(kind: str, file: DataFile, exc: OSError) -> TierError:

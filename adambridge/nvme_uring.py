@@ -199,9 +199,9 @@ class UringEngine(IOEngine):
                 moved = dict(read=res) if request.op == AB_URING_READ else dict(written=res)
                 self.counters.add(**moved)
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
         if os.getpid() != self._pid:  # a forked child: the parent's ring, not ours to drain
-            super().close()
+            super().close(join)
             return
         with self._lock:
             while self._in_flight:  # the kernel may still be writing into a buffer
@@ -209,4 +209,4 @@ class UringEngine(IOEngine):
             if self._ring:
                 self._lib.ab_uring_close(self._ring)
                 self._ring = None
-        super().close()
+        super().close(join)

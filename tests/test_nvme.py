@@ -532,3 +532,34 @@ def test_page_buffers_are_private_aligned_and_advised_huge():
     assert "sh" not in _vm_flags(small.tensor.data_ptr())
     big.tensor.fill_(7)  # the whole buffer is usable memory
     assert bytes(big.memory[-3:]) == b"\x07\x07\x07"
+
+
+_FINALIZE_UNDER_THREADING_LOCK = """
+import sys, threading, torch
+from adambridge import AdamBridge
+from adambridge.nvme import OffloadConfig
+p = torch.nn.Parameter(torch.randn(1000))
+opt = AdamBridge([p], offload_dir=OffloadConfig([sys.argv[1]], page_size=256,
+                 io_engine=sys.argv[2]), host_budget=0)
+p.grad = torch.randn(1000)
+opt.step()  # the helper threads exist now
+finalizer = opt.nvme_tier._finalizer
+# Where the cyclic GC can run a finalizer: inside Thread._set_tstate_lock of a starting
+# thread, which holds this lock; a finalizer that joins a thread then waits for it forever.
+with threading._shutdown_locks_lock:
+    finalizer()
+print("closed")
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("threading"), "_shutdown_locks_lock"),
+                    reason="the deadlock needs CPython < 3.13's threading._shutdown_locks_lock")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tier_finalizer_never_joins_a_thread(engine, tmp_path):
+    # Seen as a hang of the suite: a Thread.start() waiting forever for a new thread whose
+    # registration had run the GC, which finalized an old tier, which joined its helpers.
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FINALIZE_UNDER_THREADING_LOCK, str(tmp_path),
+                           engine], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr[-2000:]

@@ -391,9 +391,12 @@ AB_NOINLINE void avx2_fp8(const ab_tensor *t, int64_t begin, int64_t end, int nt
 void ab_update_avx2(const ab_tensor *t, int64_t begin, int64_t end, int flags)
 {
     int osize = ab_dtype_size(t->out_dtype);
-    /* non-temporal stores need every 8-element store of `out` aligned: check the first */
+    /* non-temporal stores need every store of `out` aligned: 32 bytes for the widest (16 bf16
+     * or 8 fp32 elements), 16 for the 8-element fp16 and bf16 ones; the loops advance by whole
+     * stores, so checking the first for 32 covers all (a 16-byte check let a bf16 copy 16
+     * bytes past 32-byte alignment fault) */
     int nt = (flags & AB_KFLAG_STREAM_OUT) && osize &&
-             ((uintptr_t)((char *)t->out + begin * osize) % (8 * (uintptr_t)osize)) == 0;
+             ((uintptr_t)((char *)t->out + begin * osize) % 32) == 0;
     if (t->precision == AB_MOMENTS_F32)
         avx2_f32(t, begin, end, nt);
     else if (t->precision == AB_MOMENTS_BF16)

@@ -46,8 +46,8 @@ AB_INLINE __m256 avx2_canon(__m256 x)
     return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)AB_CANON_NAN)), nan);
 }
 
-/* Section 1 on 8 lanes; returns s = sqrt(v); p is canonical. */
-AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m, __m256 *v)
+/* Section 1 on 8 lanes; returns s = sqrt(v); a NaN p is left as the arithmetic made it. */
+AB_INLINE __m256 avx2_adamw_raw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m, __m256 *v)
 {
     /* p = p * decay */
     *p = _mm256_mul_ps(*p, h->decay);
@@ -64,41 +64,117 @@ AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m,
     /* d = s + eps_hat */
     __m256 d = _mm256_add_ps(s, h->eps);
     /* p = p - step_hat * (m / d) */
-    *p = avx2_canon(_mm256_sub_ps(*p, _mm256_mul_ps(h->step_size, _mm256_div_ps(*m, d))));
+    *p = _mm256_sub_ps(*p, _mm256_mul_ps(h->step_size, _mm256_div_ps(*m, d)));
+    return s;
+}
+
+/* Section 1 on 8 lanes; returns s = sqrt(v); p is canonical. */
+AB_INLINE __m256 avx2_adamw(const avx2_hyper *h, __m256 *p, __m256 g, __m256 *m, __m256 *v)
+{
+    __m256 s = avx2_adamw_raw(h, p, g, m, v);
+    *p = avx2_canon(*p);
     return s;
 }
 
 #include "simd_avx2.h"
 
-/* ---- fp32 and bf16 moments ------------------------------------------------------------- */
+/* ---- fp32 and bf16 moments: 16 elements in the unpack layout -----------------------------
+ * NOTE: 16 bf16 elements loaded as 32 bytes widen to fp32 with one unpack each half
+ * (unpacklo/hi_epi16 with zero puts b << 16 in 32-bit lanes) and the 16-bit results narrow
+ * back with one packus, where the natural order costs a zero-extend and a shift per 8
+ * elements to widen and a permute per 16 to narrow. The unpacks work within 128-bit lanes, so
+ * the two vectors of a step hold elements {0-3, 8-11} (.a) and {4-7, 12-15} (.b) of it, and
+ * packus(a, b) is back in order. The fp32 streams (master, fp32 moments, gradient or copy)
+ * load and store their 16-byte quarters into that order, the hash indices follow it. Every
+ * element is computed exactly as in the natural order: only which lane holds it changes. The
+ * bf16 moments went from 1.88 to 1.41 cycles per element (cache-resident, SR) with this and
+ * avx2_any_nan2. */
+typedef struct {
+    __m256 a, b;
+} avx2_half_pair;
 
-/* The hash lanes: lo32 of the global index of element i; key folded with mix32(hi32). */
-#define AVX2_IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
-
-/* Decode and update 8 elements from i; store p and fp32 moments; for bf16 moments return their
- * codes in u32 lanes (*qm, *qv). */
-AB_INLINE __m256 avx2_flat_update8(const avx2_hyper *h, float *pp, const void *gp, void *mp,
-                                   void *vp, int64_t i, __m256i kh, __m256i idx, int G, int prec,
-                                   int sr, __m256i *qm, __m256i *qv)
+AB_INLINE avx2_half_pair avx2_load16_bf16(const uint16_t *src)
 {
-    __m256 p = _mm256_loadu_ps(pp + i);
-    __m256 g = avx2_load_grad(gp, i, G);
-    __m256 m, v;
-    if (prec == AB_MOMENTS_F32) {
-        m = _mm256_loadu_ps((float *)mp + i);
-        v = _mm256_loadu_ps((float *)vp + i);
-    } else {
-        m = avx2_load_half((uint16_t *)mp + i, AB_BF16);      /* m = as_f32(qm << 16) */
-        v = avx2_load_half((uint16_t *)vp + i, AB_BF16);      /* v = as_f32(qv << 16) */
+    __m256i x = _mm256_loadu_si256((const __m256i *)src), z = _mm256_setzero_si256();
+    avx2_half_pair r = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x)),
+                        _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x))};
+    return r;
+}
+
+AB_INLINE avx2_half_pair avx2_load16_f32(const float *src)
+{
+    avx2_half_pair r = {
+        _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src)), _mm_loadu_ps(src + 8), 1),
+        _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(src + 4)), _mm_loadu_ps(src + 12), 1)};
+    return r;
+}
+
+AB_INLINE void avx2_store16_f32(float *dst, avx2_half_pair x, int nt)
+{
+    if (nt) {
+        _mm_stream_ps(dst, _mm256_castps256_ps128(x.a));
+        _mm_stream_ps(dst + 8, _mm256_extractf128_ps(x.a, 1));
+        _mm_stream_ps(dst + 4, _mm256_castps256_ps128(x.b));
+        _mm_stream_ps(dst + 12, _mm256_extractf128_ps(x.b, 1));
+        return;
     }
-    avx2_adamw(h, &p, g, &m, &v);
-    m = avx2_canon(m);                                 /* a NaN m or v: 0x7fc00000 */
-    v = avx2_canon(v);
-    _mm256_storeu_ps(pp + i, p);
-    if (prec == AB_MOMENTS_F32) {
-        _mm256_storeu_ps((float *)mp + i, m);
-        _mm256_storeu_ps((float *)vp + i, v);
-    } else if (sr) {
+    _mm_storeu_ps(dst, _mm256_castps256_ps128(x.a));
+    _mm_storeu_ps(dst + 8, _mm256_extractf128_ps(x.a, 1));
+    _mm_storeu_ps(dst + 4, _mm256_castps256_ps128(x.b));
+    _mm_storeu_ps(dst + 12, _mm256_extractf128_ps(x.b, 1));
+}
+
+AB_INLINE avx2_half_pair avx2_load16_grad(const void *g, int64_t i, int dtype)
+{
+    if (dtype == AB_F32)
+        return avx2_load16_f32((const float *)g + i);
+    if (dtype == AB_BF16)
+        return avx2_load16_bf16((const uint16_t *)g + i);
+    /* fp16: F16C in order, then the 128-bit halves into the unpack layout */
+    __m256 n0 = avx2_load_half((const uint16_t *)g + i, AB_F16);
+    __m256 n1 = avx2_load_half((const uint16_t *)g + i + 8, AB_F16);
+    avx2_half_pair r = {_mm256_permute2f128_ps(n0, n1, 0x20), _mm256_permute2f128_ps(n0, n1, 0x31)};
+    return r;
+}
+
+/* 16-bit values in u32 lanes of a and b (unpack layout) -> 16 u16 in order. */
+AB_INLINE __m256i avx2_narrow16_pair(__m256i a, __m256i b) { return _mm256_packus_epi32(a, b); }
+
+AB_INLINE void avx2_store16_out(void *out, int64_t i, avx2_half_pair p, int dtype, int nt)
+{
+    if (dtype == AB_NONE)
+        return;
+    if (dtype == AB_F32) {
+        avx2_store16_f32((float *)out + i, p, nt);
+        return;
+    }
+    if (dtype == AB_BF16) {
+        __m256i c = avx2_narrow16_pair(avx2_bf16_rne(p.a), avx2_bf16_rne(p.b));
+        if (nt)
+            _mm256_stream_si256((__m256i *)((uint16_t *)out + i), c);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), c);
+        return;
+    }
+    /* fp16: elements {0-3, 8-11} and {4-7, 12-15}, regrouped by 64-bit halves */
+    __m128i ha = _mm256_cvtps_ph(p.a, _MM_FROUND_TO_NEAREST_INT);
+    __m128i hb = _mm256_cvtps_ph(p.b, _MM_FROUND_TO_NEAREST_INT);
+    __m128i lo = _mm_unpacklo_epi64(ha, hb), hi = _mm_unpackhi_epi64(ha, hb);
+    __m128i *dst = (__m128i *)((uint16_t *)out + i);
+    if (nt) {
+        _mm_stream_si128(dst, lo);
+        _mm_stream_si128(dst + 1, hi);
+    } else {
+        _mm_storeu_si128(dst, lo);
+        _mm_storeu_si128(dst + 1, hi);
+    }
+}
+
+/* The bf16 codes of m and v in u32 lanes: stochastic (r from the hash) or nearest even. */
+AB_INLINE void avx2_bf16_codes(__m256 m, __m256 v, __m256i kh, __m256i idx, int sr, __m256i *qm,
+                               __m256i *qv)
+{
+    if (sr) {
         __m256i r = avx2_mix32(_mm256_xor_si256(kh, idx));
         /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
         *qm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(m),
@@ -110,34 +186,50 @@ AB_INLINE __m256 avx2_flat_update8(const avx2_hyper *h, float *pp, const void *g
         *qm = avx2_bf16_rne(m);
         *qv = avx2_bf16_rne(v);
     }
-    return p;
 }
 
-/* 16 elements from i as two 8-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
- * narrowed in pairs (avx2_narrow16x2) into one 32-byte store each. */
+/* NOTE: a NaN m or v always makes p a NaN (m / d is a NaN when m is, and d is when v is), so
+ * when neither p of a step is a NaN (one compare of the pair and one movemask) no m or v is,
+ * and the six canonicalising blends are skipped: the same bits, fewer uops in the common case. */
+AB_INLINE int avx2_any_nan2(__m256 a, __m256 b)
+{
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0;
+}
+
+/* 16 elements from i with fp32 or bf16 moments, in the unpack layout; idx holds lo32 of the
+ * global indices of lanes .a (i + {0-3, 8-11}); .b's are 4 more. */
 AB_INLINE void avx2_flat_step16(const avx2_hyper *h, float *pp, const void *gp, void *mp,
                                 void *vp, void *op, int64_t i, __m256i kh, __m256i idx, int G,
                                 int O, int prec, int sr, int nt)
 {
-    __m256i qm0, qv0, qm1, qv1;
-    __m256i idx1 = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
-    __m256 p0 = avx2_flat_update8(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, &qm0, &qv0);
-    __m256 p1 = avx2_flat_update8(h, pp, gp, mp, vp, i + 8, kh, idx1, G, prec, sr, &qm1, &qv1);
-    if (prec != AB_MOMENTS_F32) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)mp + i), avx2_narrow16x2(qm0, qm1));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)vp + i), avx2_narrow16x2(qv0, qv1));
-    }
-    if (O == AB_BF16) {
-        /* the copy: RNE of both halves, narrowed together */
-        __m256i c = avx2_narrow16x2(avx2_bf16_rne(p0), avx2_bf16_rne(p1));
-        if (nt)
-            _mm256_stream_si256((__m256i *)((uint16_t *)op + i), c);
-        else
-            _mm256_storeu_si256((__m256i *)((uint16_t *)op + i), c);
+    avx2_half_pair p = avx2_load16_f32(pp + i), g = avx2_load16_grad(gp, i, G), m, v;
+    if (prec == AB_MOMENTS_F32) {
+        m = avx2_load16_f32((float *)mp + i);
+        v = avx2_load16_f32((float *)vp + i);
     } else {
-        avx2_store_out(op, i, p0, O, nt);
-        avx2_store_out(op, i + 8, p1, O, nt);
+        m = avx2_load16_bf16((uint16_t *)mp + i);             /* m = as_f32(qm << 16) */
+        v = avx2_load16_bf16((uint16_t *)vp + i);             /* v = as_f32(qv << 16) */
     }
+    avx2_adamw_raw(h, &p.a, g.a, &m.a, &v.a);
+    avx2_adamw_raw(h, &p.b, g.b, &m.b, &v.b);
+    if (__builtin_expect(avx2_any_nan2(p.a, p.b), 0)) {
+        /* a NaN p, m or v is stored as 0x7fc00000 */
+        p.a = avx2_canon(p.a), p.b = avx2_canon(p.b);
+        m.a = avx2_canon(m.a), m.b = avx2_canon(m.b);
+        v.a = avx2_canon(v.a), v.b = avx2_canon(v.b);
+    }
+    avx2_store16_f32(pp + i, p, 0);
+    if (prec == AB_MOMENTS_F32) {
+        avx2_store16_f32((float *)mp + i, m, 0);
+        avx2_store16_f32((float *)vp + i, v, 0);
+    } else {
+        __m256i qma, qva, qmb, qvb;
+        avx2_bf16_codes(m.a, v.a, kh, idx, sr, &qma, &qva);
+        avx2_bf16_codes(m.b, v.b, kh, _mm256_add_epi32(idx, _mm256_set1_epi32(4)), sr, &qmb, &qvb);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)mp + i), avx2_narrow16_pair(qma, qmb));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)vp + i), avx2_narrow16_pair(qva, qvb));
+    }
+    avx2_store16_out(op, i, p, O, nt);
 }
 
 AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -151,7 +243,8 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
     uint64_t gi = (uint64_t)(t->offset + begin);
     /* r(i) = mix32(key ^ lo32(i) ^ mix32(hi32(i))): hi32 is constant over the call */
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
-    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi), AVX2_IOTA);
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)gi),
+                                   _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11));
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         if (((i - begin) & 31) == 0)           /* prefetch ahead (codecs.h AB_PREFETCH) */
@@ -165,6 +258,9 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
 }
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
+
+/* lo32 of the global indices of 8 elements in order, from that of the first. */
+#define AVX2_IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 
 /* Whether the block must take the scalar path: 256 * scale_m overflows (see
  * avx2_e4m3_decode_div256); never written, possible only in a hand-made state. */

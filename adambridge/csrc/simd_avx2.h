@@ -45,14 +45,6 @@ AB_INLINE __m128i avx2_narrow16(__m256i x)
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
-/* Narrow two vectors of 8 u32 lanes holding values < 2^16 to 16 u16, in order: one packus
- * (which interleaves the 128-bit lanes of a and b) and one qword permute, where two
- * avx2_narrow16 would cost four shuffles. */
-AB_INLINE __m256i avx2_narrow16x2(__m256i a, __m256i b)
-{
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
-}
-
 /* bf16 RNE on 8 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
 AB_INLINE __m256i avx2_bf16_rne(__m256 x)
 {

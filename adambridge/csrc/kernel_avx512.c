@@ -189,11 +189,19 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
-/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode.
- * sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
-AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t j,
-                                 __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512 *vmax_m,
-                                 __m512 *vmax_s, int G, int O, int nt, __mmask16 k, int full)
+/* NOTE: the block maxima are taken as unsigned integer maxima of the bit patterns of |m| and
+ * s: for non-negative finite floats the order of the patterns is the order of the values, so
+ * the result is the same float. A non-finite |m| or s (and an s with its sign bit set, a -0 or
+ * negative NaN, possible only with beta2 > 1) has a pattern >= 0x7f800000; then the block's
+ * maxima are taken again over its finite values the scalar way (avx512_fp8_amax). That
+ * replaces two compares and two masked float maxima per 16 elements by two integer maxima. */
+#define AVX512_FP8_NONFINITE 0x7f800000u
+
+/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode; returns
+ * p for the copy. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
+AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
+                                   int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, __mmask16 k, int full)
 {
     int64_t i = b0 + j;
     float *pp = t->param;
@@ -207,23 +215,51 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     __m512 v = _mm512_mul_ps(s, s);
     s = avx512_adamw(h, &p, g, &m, &v);
     avx512_store_f32(pp + i, p, k, full);
-    avx512_store_out(t->out, i, p, O, nt, k, full);
-    /* amax_m = max finite |m|; amax_s = max finite s (the lanes in k) */
-    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
-    __mmask16 fin_m = _mm512_mask_cmp_ps_mask(k, am, inf, _CMP_LT_OQ);
-    __mmask16 fin_s = _mm512_mask_cmp_ps_mask(k, s, inf, _CMP_LT_OQ);
-    *vmax_m = _mm512_mask_max_ps(*vmax_m, fin_m, am, *vmax_m);
-    *vmax_s = _mm512_mask_max_ps(*vmax_s, fin_s, s, *vmax_s);
+    /* amax_m = max |m|; amax_s = max s, as patterns (the lanes in k; see the NOTE above) */
+    *vmax_m = _mm512_mask_max_epu32(*vmax_m, k, *vmax_m, _mm512_castps_si512(avx512_abs(m)));
+    *vmax_s = _mm512_mask_max_epu32(*vmax_s, k, *vmax_s, _mm512_castps_si512(s));
     _mm512_store_ps(mbuf + j, m);
     _mm512_store_ps(sbuf + j, s);
+    return p;
 }
 
-/* Encode 16 elements of a block (lanes k) from the kept m and s. */
-AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
-                                      const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
-                                      __m512i idx, int sr, __mmask16 k, int full)
+/* 32 elements from j: two 16-lane updates whose bf16 copies are narrowed together
+ * (avx512_narrow16x2) into one 64-byte store. */
+AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
+                                   int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, int O, int nt)
 {
-    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, 0xffff, 1);
+    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, 0xffff,
+                                  1);
+    int64_t i = b0 + j;
+    if (O == AB_BF16) {
+        __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
+        if (nt)
+            _mm512_stream_si512((__m512i *)((uint16_t *)t->out + i), c);
+        else
+            _mm512_storeu_si512((uint16_t *)t->out + i, c);
+    } else {
+        avx512_store_out(t->out, i, p0, O, nt, 0xffff, 1);
+        avx512_store_out(t->out, i + 16, p1, O, nt, 0xffff, 1);
+    }
+}
+
+/* amax_m = max finite |m|, amax_s = max finite s of a block's n kept values (the scalar lines),
+ * for a block whose pattern maxima were not finite. */
+AB_INLINE void avx512_fp8_amax(const float *mbuf, const float *sbuf, int64_t n, float *amax_m,
+                               float *amax_s)
+{
+    *amax_m = 0.0f, *amax_s = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        ab_fp8_elem_amax(mbuf[j], sbuf[j], amax_m, amax_s);
+}
+
+/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. */
+AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf, __m512 vinv_m,
+                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, __m512i *cm_out,
+                                __m512i *cv_out)
+{
     __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
     __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
     if (sr) {
@@ -236,14 +272,47 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
     /* x_m = |m| * inv_m; x_v = s * inv_v */
     __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
                                    AB_E4M3_MBITS, sr, rnd_m);
-    __m512i cv = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
-                                   rnd_v);
+    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code */
     __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
     neg = _mm512_mask_cmpneq_epi32_mask(neg, cm, _mm512_set1_epi32((int)AB_FP8_NAN));
-    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
+    *cm_out = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
+}
+
+/* Encode 16 elements of a block (lanes k) from the kept m and s. */
+AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
+                                      const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                      __m512i idx, int sr, __mmask16 k, int full)
+{
+    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    __m512i cm, cv;
+    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, &cm, &cv);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
+}
+
+/* Four vectors of 16 codes (u32 lanes, each <= 0xff) -> 64 bytes in order: two packus to u16
+ * and one to u8 (each interleaving the 128-bit lanes), then one dword permute, where four
+ * vpmovdb take two uops each. */
+AB_INLINE __m512i avx512_pack_codes64(__m512i c0, __m512i c1, __m512i c2, __m512i c3)
+{
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    return _mm512_permutexvar_epi32(order, bytes);
+}
+
+/* Encode 64 elements of a block from j, one 64-byte store per stream. */
+AB_INLINE void avx512_fp8_encode64(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
+                                   const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                   __m512i idx, int sr)
+{
+    __m512i cm[4], cv[4];
+    for (int q = 0; q < 4; q++)
+        avx512_fp8_codes(j + 16 * q, mbuf, sbuf, vinv_m, vinv_v, kh,
+                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, &cm[q], &cv[q]);
+    _mm512_storeu_si512((uint8_t *)t->exp_avg + b0 + j, avx512_pack_codes64(cm[0], cm[1], cm[2], cm[3]));
+    _mm512_storeu_si512((uint8_t *)t->exp_avg_sq + b0 + j,
+                        avx512_pack_codes64(cv[0], cv[1], cv[2], cv[3]));
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -255,27 +324,36 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m512 sm = _mm512_set1_ps(*scale_m * 256.0f), sv = _mm512_set1_ps(*scale_v);
-    __m512 vmax_m = _mm512_setzero_ps(), vmax_s = _mm512_setzero_ps();
+    __m512i vmax_m = _mm512_setzero_si512(), vmax_s = _mm512_setzero_si512();
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0xffff, 1);
-    __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
-    if (j < n)                                         /* tail: masked lanes */
-        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
-    /* the lanes' maxima (finite, none is -0, so any order gives the scalar loop's result) */
-    float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
+    for (; j + 32 <= n; j += 32)
+        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt);
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 p = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, k, full);
+        avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
+    }
+    uint32_t bits_m = _mm512_reduce_max_epu32(vmax_m), bits_s = _mm512_reduce_max_epu32(vmax_s);
+    float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
+    if (bits_m >= AVX512_FP8_NONFINITE || bits_s >= AVX512_FP8_NONFINITE)
+        avx512_fp8_amax(mbuf, sbuf, n, &amax_m, &amax_s);     /* over the finite values only */
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
-    for (j = 0; j + 16 <= n; j += 16) {
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, 0xffff, 1);
+    for (j = 0; j + 64 <= n; j += 64) {
+        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
+    }
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, k, full);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
     }
-    if (j < n)                                         /* tail: masked lanes */
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
 }
 
 /* Whether the block must take the scalar path: 256 * scale_m overflows (see

@@ -47,8 +47,9 @@ AB_INLINE __m512 avx512_canon(__m512 x)
     return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
 }
 
-/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
-AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
+/* Section 1 on 16 lanes; returns s = sqrt(v); a NaN p is left as the arithmetic made it. */
+AB_INLINE __m512 avx512_adamw_raw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m,
+                                  __m512 *v)
 {
     /* p = p * decay */
     *p = _mm512_mul_ps(*p, h->decay);
@@ -65,7 +66,15 @@ AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512
     /* d = s + eps_hat */
     __m512 d = _mm512_add_ps(s, h->eps);
     /* p = p - step_hat * (m / d) */
-    *p = avx512_canon(_mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d))));
+    *p = _mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d)));
+    return s;
+}
+
+/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
+AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
+{
+    __m512 s = avx512_adamw_raw(h, p, g, m, v);
+    *p = avx512_canon(*p);
     return s;
 }
 
@@ -92,10 +101,15 @@ AB_INLINE __m512 avx512_flat_update(const avx512_hyper *h, float *pp, const void
         m = avx512_half_to_f32(avx512_load_u16((uint16_t *)mp + i, k, full), AB_BF16);
         v = avx512_half_to_f32(avx512_load_u16((uint16_t *)vp + i, k, full), AB_BF16);
     }
-    avx512_adamw(h, &p, g, &m, &v);
-    /* a NaN m or v is stored as 0x7fc00000 */
-    m = avx512_canon(m);
-    v = avx512_canon(v);
+    avx512_adamw_raw(h, &p, g, &m, &v);
+    /* a NaN p, m or v is stored as 0x7fc00000; a NaN m or v makes p a NaN (m / d is a NaN when
+     * m is, d when v is), so when no p is one (one compare into a mask) neither is any m or v,
+     * and the three canonicalising blends are skipped: the same bits, fewer uops */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q) != 0, 0)) {
+        p = avx512_canon(p);
+        m = avx512_canon(m);
+        v = avx512_canon(v);
+    }
     avx512_store_f32(pp + i, p, k, full);
     if (prec == AB_MOMENTS_F32) {
         avx512_store_f32((float *)mp + i, m, k, full);

@@ -278,32 +278,104 @@ typedef struct {
     __m256i idx;             /* lo32 of the global indices of the next 8 elements to encode */
 } avx2_fp8_pending;
 
+/* NOTE (pass 1, issue 13): the block maxima are unsigned integer maxima of the patterns of |m|
+ * and s: for non-negative finite floats the order of the patterns is the order of the values,
+ * so the result is the same float. A non-finite |m| or s (or an s with its sign bit set: -0 or
+ * a negative NaN, possible only with beta2 > 1) has a pattern >= 0x7f800000, and then the
+ * block's maxima are taken again over its finite values by the scalar lines. The E4M3 NaN
+ * code's select (a compare, a widening and a blend per 8 elements) runs only in blocks that
+ * hold that code (one test per block), and p is canonicalised only where a pair of vectors
+ * holds a NaN. The same bits as before in every case. */
+#define AVX2_FP8_NONFINITE 0x7f800000u
+
 /* Pass 1 on 8 elements j..j+7 of the block at b0: decode, update, keep m and s, track the
- * absmax. sm holds 256 * scale_m (see avx2_e4m3_decode_div256). */
-AB_INLINE void avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
-                                __m256 sm, __m256 sv, float *mbuf, float *sbuf, __m256 *vmax_m,
-                                __m256 *vmax_s, int G, int O, int nt)
+ * pattern maxima; returns p as the arithmetic made it. sm holds 256 * scale_m (see
+ * avx2_e4m3_decode_div256); nan_codes: the block may hold the E4M3 NaN code. */
+AB_INLINE __m256 avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
+                                  __m256 sm, __m256 sv, float *mbuf, float *sbuf,
+                                  __m256i *vmax_m, __m256i *vmax_s, int G, int nan_codes)
 {
     int64_t i = b0 + j;
-    float *pp = t->param;
     const uint8_t *qm = (const uint8_t *)t->exp_avg + i, *qv = (const uint8_t *)t->exp_avg_sq + i;
-    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 p = _mm256_loadu_ps(pp + i);
+    __m256 p = _mm256_loadu_ps(t->param + i);
     __m256 g = avx2_load_grad(t->grad, i, G);
     /* m = dec_e4m3(qm) * scale_m */
-    __m256 m = _mm256_mul_ps(avx2_e4m3_decode_div256(_mm_loadl_epi64((const __m128i *)qm)), sm);
+    __m128i cm = _mm_loadl_epi64((const __m128i *)qm);
+    __m256 dm = nan_codes ? avx2_e4m3_decode_div256(cm) : avx2_e4m3_decode_div256_finite(cm);
+    __m256 m = _mm256_mul_ps(dm, sm);
     /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
     __m256 s = _mm256_mul_ps(avx2_e5m2_decode(_mm_loadl_epi64((const __m128i *)qv)), sv);
     __m256 v = _mm256_mul_ps(s, s);
-    s = avx2_adamw(h, &p, g, &m, &v);
-    _mm256_storeu_ps(pp + i, p);
-    avx2_store_out(t->out, i, p, O, nt);
-    /* amax_m = max finite |m|; amax_s = max finite s (a non-finite lane counts as 0) */
-    __m256 am = _mm256_and_ps(m, abs_mask), inf = _mm256_set1_ps(ab_as_f32(0x7f800000u));
-    *vmax_m = _mm256_max_ps(_mm256_and_ps(am, _mm256_cmp_ps(am, inf, _CMP_LT_OQ)), *vmax_m);
-    *vmax_s = _mm256_max_ps(_mm256_and_ps(s, _mm256_cmp_ps(s, inf, _CMP_LT_OQ)), *vmax_s);
+    s = avx2_adamw_raw(h, &p, g, &m, &v);
+    /* amax_m = max |m|; amax_s = max s, as patterns (see the NOTE above) */
+    __m256i am = _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff));
+    *vmax_m = _mm256_max_epu32(*vmax_m, am);
+    *vmax_s = _mm256_max_epu32(*vmax_s, _mm256_castps_si256(s));
     _mm256_store_ps(mbuf + j, m);
     _mm256_store_ps(sbuf + j, s);
+    return p;
+}
+
+/* Pass 1 on 16 elements j..j+15: two 8-lane updates, p canonicalised where a NaN is, the bf16
+ * copy narrowed in one packus and one permute. */
+AB_INLINE void avx2_fp8_update16(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
+                                 __m256 sm, __m256 sv, float *mbuf, float *sbuf, __m256i *vmax_m,
+                                 __m256i *vmax_s, int G, int O, int nt, int nan_codes)
+{
+    int64_t i = b0 + j;
+    __m256 p0 = avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, nan_codes);
+    __m256 p1 = avx2_fp8_update8(t, h, b0, j + 8, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+                                 nan_codes);
+    if (__builtin_expect(avx2_any_nan2(p0, p1), 0))
+        p0 = avx2_canon(p0), p1 = avx2_canon(p1);     /* a NaN p is stored as 0x7fc00000 */
+    _mm256_storeu_ps(t->param + i, p0);
+    _mm256_storeu_ps(t->param + i + 8, p1);
+    if (O == AB_BF16) {
+        __m256i c = _mm256_permute4x64_epi64(
+            _mm256_packus_epi32(avx2_bf16_rne(p0), avx2_bf16_rne(p1)), 0xd8);
+        __m256i *dst = (__m256i *)((uint16_t *)t->out + i);
+        if (nt)
+            _mm256_stream_si256(dst, c);
+        else
+            _mm256_storeu_si256(dst, c);
+    } else {
+        avx2_store_out(t->out, i, p0, O, nt);
+        avx2_store_out(t->out, i + 8, p1, O, nt);
+    }
+}
+
+/* Whether the n codes of m at qm hold the E4M3 NaN code (0x7f or 0xff). */
+AB_INLINE int avx2_has_e4m3_nan(const uint8_t *qm, int64_t n)
+{
+    __m256i any = _mm256_setzero_si256(), low7 = _mm256_set1_epi8(0x7f);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qm + j)), low7);
+        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(c, low7));
+    }
+    int found = _mm256_movemask_epi8(any) != 0;
+    for (; j < n; j++)
+        found |= (qm[j] & 0x7f) == 0x7f;
+    return found;
+}
+
+/* Pass 1 of a block: its whole multiples of 8 elements; returns how many it did. */
+AB_INLINE int64_t avx2_fp8_pass1(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t n,
+                                 __m256 sm, __m256 sv, float *mbuf, float *sbuf,
+                                 __m256i *vmax_m, __m256i *vmax_s, int G, int O, int nt,
+                                 int nan_codes)
+{
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        avx2_fp8_update16(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, O, nt, nan_codes);
+    if (j + 8 <= n) {
+        __m256 p = avx2_canon(avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s,
+                                               G, nan_codes));
+        _mm256_storeu_ps(t->param + b0 + j, p);
+        avx2_store_out(t->out, b0 + j, p, O, nt);
+        j += 8;
+    }
+    return j;
 }
 
 /* The block's new scales from its absmax; fills in 1/scale for the encode. */
@@ -323,17 +395,19 @@ AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scal
     b->inv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
 }
 
-/* The absmax of the 8 lanes of vmax_m and of vmax_s (finite, none is -0, so any order gives
- * the scalar loop's result). */
-AB_INLINE void avx2_fp8_amax(__m256 vmax_m, __m256 vmax_s, float *amax_m, float *amax_s)
+/* The maxima of the 8 pattern lanes of vmax_m and of vmax_s as floats; 0 when either is not
+ * finite (the caller then takes the maxima the scalar way). */
+AB_INLINE int avx2_fp8_amax(__m256i vmax_m, __m256i vmax_s, float *amax_m, float *amax_s)
 {
     /* [m lanes 0-3, s lanes 0-3] max [m lanes 4-7, s lanes 4-7], then within each half */
-    __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(vmax_m, vmax_s, 0x20),
-                              _mm256_permute2f128_ps(vmax_m, vmax_s, 0x31));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
-    *amax_m = _mm256_cvtss_f32(mx);
-    *amax_s = _mm_cvtss_f32(_mm256_extractf128_ps(mx, 1));
+    __m256i mx = _mm256_max_epu32(_mm256_permute2x128_si256(vmax_m, vmax_s, 0x20),
+                                  _mm256_permute2x128_si256(vmax_m, vmax_s, 0x31));
+    mx = _mm256_max_epu32(mx, _mm256_shuffle_epi32(mx, 0x4e));
+    mx = _mm256_max_epu32(mx, _mm256_shuffle_epi32(mx, 0xb1));
+    uint32_t bm = (uint32_t)_mm256_cvtsi256_si32(mx);
+    uint32_t bs = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(mx, 1));
+    *amax_m = ab_as_f32(bm), *amax_s = ab_as_f32(bs);
+    return bm < AVX2_FP8_NONFINITE && bs < AVX2_FP8_NONFINITE;
 }
 
 /* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes. */
@@ -412,15 +486,21 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m256 sm = _mm256_set1_ps(*scale_m * 256.0f), sv = _mm256_set1_ps(*scale_v);
-    __m256 vmax_m = _mm256_setzero_ps(), vmax_s = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt);
-    float amax_m, amax_s;
-    avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s);
-    for (; j < n; j++) {                               /* tail: the scalar lines */
+    __m256i vmax_m = _mm256_setzero_si256(), vmax_s = _mm256_setzero_si256();
+    int64_t j = avx2_has_e4m3_nan(qm, n)
+        ? avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 1)
+        : avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
+    int64_t nvec = j;
+    for (; j < n; j++)                                 /* tail: the scalar lines */
         sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
-        ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
+    float amax_m, amax_s;
+    if (avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s)) {
+        for (j = nvec; j < n; j++)                     /* the tail's finite values */
+            ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
+    } else {                                           /* a non-finite value: all again */
+        amax_m = 0.0f, amax_s = 0.0f;
+        for (j = 0; j < n; j++)
+            ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
     }
     avx2_fp8_pending b = {qm, qv, mbuf, sbuf, _mm256_setzero_ps(), _mm256_setzero_ps(),
                           _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(t->offset + b0)),

@@ -86,11 +86,17 @@ AB_INLINE __m256 avx2_e5m2_decode(__m128i c)   /* the 8 codes in the low 8 bytes
     return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), c));
 }
 
-AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
+/* E4M3 / 256 for codes other than the NaN code (see avx2_e4m3_decode_div256). */
+AB_INLINE __m256 avx2_e4m3_decode_div256_finite(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
     __m128i h = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), c), 1);
-    __m256 x = _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+}
+
+AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
+{
+    __m256 x = avx2_e4m3_decode_div256_finite(c);
     /* the NaN code 0x7f / 0xff (a finite fp16 in this layout) decodes as NaN */
     __m128i nan8 = _mm_cmpeq_epi8(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
     __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan8));

@@ -215,7 +215,8 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
  * p for the copy. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
 AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
                                    int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
-                                   __m512i *vmax_m, __m512i *vmax_s, int G, __mmask16 k, int full)
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, int nan_codes,
+                                   __mmask16 k, int full)
 {
     int64_t i = b0 + j;
     float *pp = t->param;
@@ -223,7 +224,9 @@ AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, in
     __m512 p = avx512_load_f32(pp + i, k, full);
     __m512 g = avx512_load_grad(t->grad, i, G, k, full);
     /* m = dec_e4m3(qm) * scale_m */
-    __m512 m = _mm512_mul_ps(avx512_e4m3_decode_div256(avx512_load_u8(qm + j, k, full)), sm);
+    __m128i cm = avx512_load_u8(qm + j, k, full);
+    __m512 dm = nan_codes ? avx512_e4m3_decode_div256(cm) : avx512_e4m3_decode_div256_finite(cm);
+    __m512 m = _mm512_mul_ps(dm, sm);
     /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
     __m512 s = _mm512_mul_ps(avx512_e5m2_decode(avx512_load_u8(qv + j, k, full)), sv);
     __m512 v = _mm512_mul_ps(s, s);
@@ -241,11 +244,13 @@ AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, in
  * (avx512_narrow16x2) into one 64-byte store. */
 AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
                                    int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
-                                   __m512i *vmax_m, __m512i *vmax_s, int G, int O, int nt)
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, int O, int nt,
+                                   int nan_codes)
 {
-    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, 0xffff, 1);
-    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, 0xffff,
-                                  1);
+    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, nan_codes,
+                                  0xffff, 1);
+    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+                                  nan_codes, 0xffff, 1);
     int64_t i = b0 + j;
     if (O == AB_BF16) {
         __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
@@ -256,6 +261,24 @@ AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, in
     } else {
         avx512_store_out(t->out, i, p0, O, nt, 0xffff, 1);
         avx512_store_out(t->out, i + 16, p1, O, nt, 0xffff, 1);
+    }
+}
+
+/* Pass 1 of a block of n <= 128 elements. nan_codes: its m codes may hold the NaN code (the
+ * decode selects NaN only then; a test per block instead of three uops per 16 elements). */
+AB_INLINE void avx512_fp8_pass1(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t n,
+                                __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512i *vmax_m,
+                                __m512i *vmax_s, int G, int O, int nt, int nan_codes)
+{
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, O, nt, nan_codes);
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 p = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+                                     nan_codes, k, full);
+        avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
     }
 }
 
@@ -280,8 +303,11 @@ AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf,
         /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
          * r_v << 5 (E5M2) */
         __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
-        rnd_m = _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 16 - (7 - AB_E4M3_MBITS));
-        rnd_v = _mm512_slli_epi32(_mm512_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
+        /* one shift and one and each: 512-bit shifts have one port, logic two */
+        rnd_m = _mm512_slli_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xffff)),
+                                  7 - AB_E4M3_MBITS);
+        rnd_v = _mm512_and_si512(_mm512_srli_epi32(r, 16 - (7 - AB_E5M2_MBITS)),
+                                 _mm512_set1_epi32(0xffff << (7 - AB_E5M2_MBITS)));
     }
     /* x_m = |m| * inv_m; x_v = s * inv_v */
     __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
@@ -339,15 +365,10 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m512 sm = _mm512_set1_ps(*scale_m * 256.0f), sv = _mm512_set1_ps(*scale_v);
     __m512i vmax_m = _mm512_setzero_si512(), vmax_s = _mm512_setzero_si512();
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32)
-        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt);
-    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
-        int full = j + 16 <= n;
-        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        __m512 p = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, k, full);
-        avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
-    }
+    if (avx512_has_e4m3_nan((const uint8_t *)t->exp_avg + b0, n))
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 1);
+    else
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
     uint32_t bits_m = _mm512_reduce_max_epu32(vmax_m), bits_s = _mm512_reduce_max_epu32(vmax_s);
     float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
     if (bits_m >= AVX512_FP8_NONFINITE || bits_s >= AVX512_FP8_NONFINITE)
@@ -358,7 +379,8 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
-    for (j = 0; j + 64 <= n; j += 64) {
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
         avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
     }

@@ -212,7 +212,7 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
 #define AVX512_FP8_NONFINITE 0x7f800000u
 
 /* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode; returns
- * p for the copy. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
+ * p as the arithmetic made it, for the caller to canonicalise and store. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
 AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
                                    int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
                                    __m512i *vmax_m, __m512i *vmax_s, int G, int nan_codes,
@@ -230,8 +230,7 @@ AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, in
     /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
     __m512 s = _mm512_mul_ps(avx512_e5m2_decode(avx512_load_u8(qv + j, k, full)), sv);
     __m512 v = _mm512_mul_ps(s, s);
-    s = avx512_adamw(h, &p, g, &m, &v);
-    avx512_store_f32(pp + i, p, k, full);
+    s = avx512_adamw_raw(h, &p, g, &m, &v);
     /* amax_m = max |m|; amax_s = max s, as patterns (the lanes in k; see the NOTE above) */
     *vmax_m = _mm512_mask_max_epu32(*vmax_m, k, *vmax_m, _mm512_castps_si512(avx512_abs(m)));
     *vmax_s = _mm512_mask_max_epu32(*vmax_s, k, *vmax_s, _mm512_castps_si512(s));
@@ -252,6 +251,11 @@ AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, in
     __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
                                   nan_codes, 0xffff, 1);
     int64_t i = b0 + j;
+    /* a NaN p is stored as 0x7fc00000: one compare for the pair */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p0, p1, _CMP_UNORD_Q) != 0, 0))
+        p0 = avx512_canon(p0), p1 = avx512_canon(p1);
+    _mm512_storeu_ps(t->param + i, p0);
+    _mm512_storeu_ps(t->param + i + 16, p1);
     if (O == AB_BF16) {
         __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
         if (nt)
@@ -276,8 +280,9 @@ AB_INLINE void avx512_fp8_pass1(const ab_tensor *t, const avx512_hyper *h, int64
     for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
         int full = j + 16 <= n;
         __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        __m512 p = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
-                                     nan_codes, k, full);
+        __m512 p = avx512_canon(avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m,
+                                                  vmax_s, G, nan_codes, k, full));
+        avx512_store_f32(t->param + b0 + j, p, k, full);
         avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
     }
 }

@@ -143,8 +143,8 @@ AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp
     avx512_store_out(op, i, p, O, nt, k, full);
 }
 
-/* 32 elements from i: two 16-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
- * narrowed in pairs (avx512_narrow16x2) into one 64-byte store each. */
+/* 32 elements from i with fp32 moments: two 16-lane updates whose bf16 copies are narrowed
+ * in pairs (avx512_narrow16x2) into one 64-byte store. */
 AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *gp, void *mp,
                                   void *vp, void *op, int64_t i, __m512i kh, __m512i idx, int G,
                                   int O, int prec, int sr, int nt)
@@ -157,10 +157,6 @@ AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *
     __m512 p0 = avx512_flat_update(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, 0xffff, 1, &qm0, &qv0);
     __m512 p1 = avx512_flat_update(h, pp, gp, mp, vp, i + 16, kh, idx1, G, prec, sr, 0xffff, 1,
                                    &qm1, &qv1);
-    if (prec != AB_MOMENTS_F32) {
-        _mm512_storeu_si512((uint16_t *)mp + i, avx512_narrow16x2(qm0, qm1));
-        _mm512_storeu_si512((uint16_t *)vp + i, avx512_narrow16x2(qv0, qv1));
-    }
     if (O == AB_BF16) {
         /* the copy: RNE of both halves, narrowed together */
         __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
@@ -172,6 +168,123 @@ AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *
         avx512_store_out(op, i, p0, O, nt, 0xffff, 1);
         avx512_store_out(op, i + 16, p1, O, nt, 0xffff, 1);
     }
+}
+
+/* ---- bf16 moments: 32 elements in the unpack layout ---------------------------------------
+ * NOTE: as in kernel_avx2.c: 32 bf16 elements loaded as 64 bytes widen to fp32 with one
+ * unpack per 16 (unpacklo/hi_epi16 with zero puts b << 16 in 32-bit lanes) and narrow back
+ * with one packus, where the natural order costs a zero-extend and a shift per 16 to widen
+ * and a permute per 32 to narrow. The unpacks work within 128-bit lanes, so .a holds elements
+ * {0-3, 8-11, 16-19, 24-27} of the step and .b the other four of each eight; the fp32 streams
+ * (master, fp32 gradient or copy) enter and leave that order with one two-source permute per
+ * vector, the hash indices follow it. Each element is computed exactly as in natural order. */
+typedef struct {
+    __m512 a, b;
+} avx512_half_pair;
+
+#define AVX512_UNPACK_A _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+
+AB_INLINE avx512_half_pair avx512_load32_bf16(const uint16_t *src)
+{
+    __m512i x = _mm512_loadu_si512(src), z = _mm512_setzero_si512();
+    avx512_half_pair r = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x)),
+                          _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x))};
+    return r;
+}
+
+/* Two vectors of 16 in order -> the unpack layout. */
+AB_INLINE avx512_half_pair avx512_to_unpack(__m512 n0, __m512 n1)
+{
+    const __m512i ia = AVX512_UNPACK_A;
+    const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
+    avx512_half_pair r = {_mm512_permutex2var_ps(n0, ia, n1), _mm512_permutex2var_ps(n0, ib, n1)};
+    return r;
+}
+
+/* The unpack layout -> two vectors of 16 in order. */
+AB_INLINE void avx512_from_unpack(avx512_half_pair x, __m512 *n0, __m512 *n1)
+{
+    const __m512i j0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i j1 = _mm512_add_epi32(j0, _mm512_set1_epi32(8));
+    *n0 = _mm512_permutex2var_ps(x.a, j0, x.b);
+    *n1 = _mm512_permutex2var_ps(x.a, j1, x.b);
+}
+
+AB_INLINE avx512_half_pair avx512_load32_grad(const void *g, int64_t i, int dtype)
+{
+    if (dtype == AB_BF16)
+        return avx512_load32_bf16((const uint16_t *)g + i);
+    return avx512_to_unpack(avx512_load_grad(g, i, dtype, 0xffff, 1),
+                            avx512_load_grad(g, i + 16, dtype, 0xffff, 1));
+}
+
+AB_INLINE void avx512_store32_out(void *out, int64_t i, avx512_half_pair p, int dtype, int nt)
+{
+    if (dtype == AB_NONE)
+        return;
+    if (dtype == AB_BF16) {
+        /* the copy: RNE of both halves, one packus back to order */
+        __m512i c = _mm512_packus_epi32(avx512_bf16_rne(p.a), avx512_bf16_rne(p.b));
+        if (nt)
+            _mm512_stream_si512((__m512i *)((uint16_t *)out + i), c);
+        else
+            _mm512_storeu_si512((uint16_t *)out + i, c);
+        return;
+    }
+    __m512 n0, n1;
+    avx512_from_unpack(p, &n0, &n1);
+    avx512_store_out(out, i, n0, dtype, nt, 0xffff, 1);
+    avx512_store_out(out, i + 16, n1, dtype, nt, 0xffff, 1);
+}
+
+/* The bf16 codes of m and v in u32 lanes: stochastic (r from the hash) or nearest even. */
+AB_INLINE void avx512_bf16_codes(__m512 m, __m512 v, __m512i kh, __m512i idx, int sr,
+                                 __m512i *qm, __m512i *qv)
+{
+    if (sr) {
+        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+        /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+        *qm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(m),
+                                _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
+        /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+        *qv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v),
+                                _mm512_srli_epi32(r, 16)), 16);
+    } else {
+        *qm = avx512_bf16_rne(m);
+        *qv = avx512_bf16_rne(v);
+    }
+}
+
+/* 32 elements from i with bf16 moments, in the unpack layout; idx holds lo32 of the global
+ * index of element i. */
+AB_INLINE void avx512_bf16_step32(const avx512_hyper *h, float *pp, const void *gp, uint16_t *mp,
+                                  uint16_t *vp, void *op, int64_t i, __m512i kh, __m512i idx,
+                                  int G, int O, int sr, int nt)
+{
+    /* prefetch AB_PREFETCH elements ahead in every read stream (see codecs.h) */
+    ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G), 2);
+    avx512_half_pair p = avx512_to_unpack(_mm512_loadu_ps(pp + i), _mm512_loadu_ps(pp + i + 16));
+    avx512_half_pair g = avx512_load32_grad(gp, i, G);
+    avx512_half_pair m = avx512_load32_bf16(mp + i);          /* m = as_f32(qm << 16) */
+    avx512_half_pair v = avx512_load32_bf16(vp + i);          /* v = as_f32(qv << 16) */
+    avx512_adamw_raw(h, &p.a, g.a, &m.a, &v.a);
+    avx512_adamw_raw(h, &p.b, g.b, &m.b, &v.b);
+    /* a NaN p, m or v is stored as 0x7fc00000; only p needs testing (see avx512_flat_update) */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p.a, p.b, _CMP_UNORD_Q) != 0, 0)) {
+        p.a = avx512_canon(p.a), p.b = avx512_canon(p.b);
+        m.a = avx512_canon(m.a), m.b = avx512_canon(m.b);
+        v.a = avx512_canon(v.a), v.b = avx512_canon(v.b);
+    }
+    __m512 p0, p1;
+    avx512_from_unpack(p, &p0, &p1);
+    _mm512_storeu_ps(pp + i, p0);
+    _mm512_storeu_ps(pp + i + 16, p1);
+    __m512i ia = _mm512_add_epi32(idx, AVX512_UNPACK_A), qma, qva, qmb, qvb;
+    avx512_bf16_codes(m.a, v.a, kh, ia, sr, &qma, &qva);
+    avx512_bf16_codes(m.b, v.b, kh, _mm512_add_epi32(ia, _mm512_set1_epi32(4)), sr, &qmb, &qvb);
+    _mm512_storeu_si512(mp + i, _mm512_packus_epi32(qma, qmb));
+    _mm512_storeu_si512(vp + i, _mm512_packus_epi32(qva, qvb));
+    avx512_store32_out(op, i, p, O, nt);
 }
 
 AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -188,7 +301,12 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)gi), AVX512_IOTA);
     int64_t i = begin;
     for (; i + 32 <= end; i += 32) {
-        avx512_flat_step32(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
+        if (prec == AB_MOMENTS_BF16)
+            avx512_bf16_step32(&h, pp, gp, (uint16_t *)mp, (uint16_t *)vp, op, i, kh,
+                               _mm512_set1_epi32((int)(uint32_t)(gi + (uint64_t)(i - begin))),
+                               G, O, sr, nt);
+        else
+            avx512_flat_step32(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(32));
     }
     for (; i + 16 <= end; i += 16) {

@@ -429,10 +429,12 @@ AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int s
     __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
                                  AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
     *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
-    /* sign bit when m < 0 and the code is not the NaN code */
-    __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(cm, _mm256_set1_epi32((int)AB_FP8_NAN)),
-                                      _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(),
-                                                                        _CMP_LT_OQ)));
+    /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
+     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
+     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
+     * negative NaNs are above), one subtract and one compare */
+    __m256i neg = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)0xff7fffffu),
+                                     _mm256_sub_epi32(_mm256_castps_si256(m), _mm256_set1_epi32(1)));
     *cm_out = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
 }
 

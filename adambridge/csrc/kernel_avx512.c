@@ -436,9 +436,13 @@ AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf,
     __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
                                    AB_E4M3_MBITS, sr, rnd_m);
     *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
-    /* sign bit when m < 0 and the code is not the NaN code */
-    __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
-    neg = _mm512_mask_cmpneq_epi32_mask(neg, cm, _mm512_set1_epi32((int)AB_FP8_NAN));
+    /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
+     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
+     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
+     * negative NaNs are above) */
+    __mmask16 neg = _mm512_cmplt_epi32_mask(
+        _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
+        _mm512_set1_epi32((int)0xff7fffffu));
     *cm_out = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
 }
 

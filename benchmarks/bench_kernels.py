@@ -6,8 +6,9 @@
 The model is bf16 (bf16 gradients in, bf16 weights out), as in mixed-precision fine-tuning.
 Variants are interleaved (A B C ... A B C ...) and the median is reported, because memory
 bandwidth on a shared VM drifts by up to 2x within seconds. GB/s counts the minimum bytes a
-variant must move. Each precision has its own floor: a plain native pass over the same
-buffers moving that precision's bytes (AVX-512 where the CPU has it), in the same process.
+variant must move. Each precision has its own floor: a plain native pass over buffers of the
+same layout moving that precision's bytes (AVX-512 where the CPU has it), in the same process
+(its own buffers: the pass scrambles them).
 With --tensors N the same total is split into N fp32 parameters (see bench_tensors.py).
 """
 from __future__ import annotations
@@ -132,8 +133,11 @@ def native_variant(buffers: Buffers, precision: str) -> Callable[[], None]:
     return run
 
 
-def floor_variant(buffers: Buffers, precision: str) -> Callable[[], None]:
-    items = items_for(buffers, precision, 1)
+def floor_variant(scratch: Buffers, precision: str) -> Callable[[], None]:
+    """The floor pass scrambles what it streams over (ab_memory_pass), so it gets buffers of its
+    own: run on the kernel's, it would leave NaN and inf codes in the fp8 moments and random bf16
+    moments for the next timed update."""
+    items = items_for(scratch, precision, 1)
     return lambda: loader.memory_pass(items)
 
 
@@ -191,9 +195,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     validate(precisions)
     buffers = make_buffers(numel, precisions)
+    scratch = make_buffers(numel, precisions)          # the same layout, for the floor to scramble
     variants, bytes_per = {}, {}
     for precision in precisions:
-        variants[f"floor {precision} (same bytes)"] = floor_variant(buffers, precision)
+        variants[f"floor {precision} (same bytes)"] = floor_variant(scratch, precision)
         variants[f"native {precision} moments"] = native_variant(buffers, precision)
         bytes_per[f"floor {precision} (same bytes)"] = BYTES[precision]
         bytes_per[f"native {precision} moments"] = BYTES[precision]

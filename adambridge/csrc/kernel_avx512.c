@@ -47,8 +47,9 @@ AB_INLINE __m512 avx512_canon(__m512 x)
     return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
 }
 
-/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
-AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
+/* Section 1 on 16 lanes; returns s = sqrt(v); a NaN p is left as the arithmetic made it. */
+AB_INLINE __m512 avx512_adamw_raw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m,
+                                  __m512 *v)
 {
     /* p = p * decay */
     *p = _mm512_mul_ps(*p, h->decay);
@@ -65,7 +66,15 @@ AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512
     /* d = s + eps_hat */
     __m512 d = _mm512_add_ps(s, h->eps);
     /* p = p - step_hat * (m / d) */
-    *p = avx512_canon(_mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d))));
+    *p = _mm512_sub_ps(*p, _mm512_mul_ps(h->step_size, _mm512_div_ps(*m, d)));
+    return s;
+}
+
+/* Section 1 on 16 lanes; returns s = sqrt(v); p is canonical. */
+AB_INLINE __m512 avx512_adamw(const avx512_hyper *h, __m512 *p, __m512 g, __m512 *m, __m512 *v)
+{
+    __m512 s = avx512_adamw_raw(h, p, g, m, v);
+    *p = avx512_canon(*p);
     return s;
 }
 
@@ -92,10 +101,15 @@ AB_INLINE __m512 avx512_flat_update(const avx512_hyper *h, float *pp, const void
         m = avx512_half_to_f32(avx512_load_u16((uint16_t *)mp + i, k, full), AB_BF16);
         v = avx512_half_to_f32(avx512_load_u16((uint16_t *)vp + i, k, full), AB_BF16);
     }
-    avx512_adamw(h, &p, g, &m, &v);
-    /* a NaN m or v is stored as 0x7fc00000 */
-    m = avx512_canon(m);
-    v = avx512_canon(v);
+    avx512_adamw_raw(h, &p, g, &m, &v);
+    /* a NaN p, m or v is stored as 0x7fc00000; a NaN m or v makes p a NaN (m / d is a NaN when
+     * m is, d when v is), so when no p is one (one compare into a mask) neither is any m or v,
+     * and the three canonicalising blends are skipped: the same bits, fewer uops */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q) != 0, 0)) {
+        p = avx512_canon(p);
+        m = avx512_canon(m);
+        v = avx512_canon(v);
+    }
     avx512_store_f32(pp + i, p, k, full);
     if (prec == AB_MOMENTS_F32) {
         avx512_store_f32((float *)mp + i, m, k, full);
@@ -129,8 +143,8 @@ AB_INLINE void avx512_flat_step(const avx512_hyper *h, float *pp, const void *gp
     avx512_store_out(op, i, p, O, nt, k, full);
 }
 
-/* 32 elements from i: two 16-lane updates whose 16-bit streams (bf16 codes, bf16 copy) are
- * narrowed in pairs (avx512_narrow16x2) into one 64-byte store each. */
+/* 32 elements from i with fp32 moments: two 16-lane updates whose bf16 copies are narrowed
+ * in pairs (avx512_narrow16x2) into one 64-byte store. */
 AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *gp, void *mp,
                                   void *vp, void *op, int64_t i, __m512i kh, __m512i idx, int G,
                                   int O, int prec, int sr, int nt)
@@ -143,10 +157,6 @@ AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *
     __m512 p0 = avx512_flat_update(h, pp, gp, mp, vp, i, kh, idx, G, prec, sr, 0xffff, 1, &qm0, &qv0);
     __m512 p1 = avx512_flat_update(h, pp, gp, mp, vp, i + 16, kh, idx1, G, prec, sr, 0xffff, 1,
                                    &qm1, &qv1);
-    if (prec != AB_MOMENTS_F32) {
-        _mm512_storeu_si512((uint16_t *)mp + i, avx512_narrow16x2(qm0, qm1));
-        _mm512_storeu_si512((uint16_t *)vp + i, avx512_narrow16x2(qv0, qv1));
-    }
     if (O == AB_BF16) {
         /* the copy: RNE of both halves, narrowed together */
         __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
@@ -158,6 +168,123 @@ AB_INLINE void avx512_flat_step32(const avx512_hyper *h, float *pp, const void *
         avx512_store_out(op, i, p0, O, nt, 0xffff, 1);
         avx512_store_out(op, i + 16, p1, O, nt, 0xffff, 1);
     }
+}
+
+/* ---- bf16 moments: 32 elements in the unpack layout ---------------------------------------
+ * NOTE: as in kernel_avx2.c: 32 bf16 elements loaded as 64 bytes widen to fp32 with one
+ * unpack per 16 (unpacklo/hi_epi16 with zero puts b << 16 in 32-bit lanes) and narrow back
+ * with one packus, where the natural order costs a zero-extend and a shift per 16 to widen
+ * and a permute per 32 to narrow. The unpacks work within 128-bit lanes, so .a holds elements
+ * {0-3, 8-11, 16-19, 24-27} of the step and .b the other four of each eight; the fp32 streams
+ * (master, fp32 gradient or copy) enter and leave that order with one two-source permute per
+ * vector, the hash indices follow it. Each element is computed exactly as in natural order. */
+typedef struct {
+    __m512 a, b;
+} avx512_half_pair;
+
+#define AVX512_UNPACK_A _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+
+AB_INLINE avx512_half_pair avx512_load32_bf16(const uint16_t *src)
+{
+    __m512i x = _mm512_loadu_si512(src), z = _mm512_setzero_si512();
+    avx512_half_pair r = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x)),
+                          _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x))};
+    return r;
+}
+
+/* Two vectors of 16 in order -> the unpack layout. */
+AB_INLINE avx512_half_pair avx512_to_unpack(__m512 n0, __m512 n1)
+{
+    const __m512i ia = AVX512_UNPACK_A;
+    const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
+    avx512_half_pair r = {_mm512_permutex2var_ps(n0, ia, n1), _mm512_permutex2var_ps(n0, ib, n1)};
+    return r;
+}
+
+/* The unpack layout -> two vectors of 16 in order. */
+AB_INLINE void avx512_from_unpack(avx512_half_pair x, __m512 *n0, __m512 *n1)
+{
+    const __m512i j0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i j1 = _mm512_add_epi32(j0, _mm512_set1_epi32(8));
+    *n0 = _mm512_permutex2var_ps(x.a, j0, x.b);
+    *n1 = _mm512_permutex2var_ps(x.a, j1, x.b);
+}
+
+AB_INLINE avx512_half_pair avx512_load32_grad(const void *g, int64_t i, int dtype)
+{
+    if (dtype == AB_BF16)
+        return avx512_load32_bf16((const uint16_t *)g + i);
+    return avx512_to_unpack(avx512_load_grad(g, i, dtype, 0xffff, 1),
+                            avx512_load_grad(g, i + 16, dtype, 0xffff, 1));
+}
+
+AB_INLINE void avx512_store32_out(void *out, int64_t i, avx512_half_pair p, int dtype, int nt)
+{
+    if (dtype == AB_NONE)
+        return;
+    if (dtype == AB_BF16) {
+        /* the copy: RNE of both halves, one packus back to order */
+        __m512i c = _mm512_packus_epi32(avx512_bf16_rne(p.a), avx512_bf16_rne(p.b));
+        if (nt)
+            _mm512_stream_si512((__m512i *)((uint16_t *)out + i), c);
+        else
+            _mm512_storeu_si512((uint16_t *)out + i, c);
+        return;
+    }
+    __m512 n0, n1;
+    avx512_from_unpack(p, &n0, &n1);
+    avx512_store_out(out, i, n0, dtype, nt, 0xffff, 1);
+    avx512_store_out(out, i + 16, n1, dtype, nt, 0xffff, 1);
+}
+
+/* The bf16 codes of m and v in u32 lanes: stochastic (r from the hash) or nearest even. */
+AB_INLINE void avx512_bf16_codes(__m512 m, __m512 v, __m512i kh, __m512i idx, int sr,
+                                 __m512i *qm, __m512i *qv)
+{
+    if (sr) {
+        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+        /* qm = (as_u32(m) + (r & 0xffff)) >> 16 */
+        *qm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(m),
+                                _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
+        /* qv = (as_u32(v) + (r >> 16)) >> 16 */
+        *qv = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v),
+                                _mm512_srli_epi32(r, 16)), 16);
+    } else {
+        *qm = avx512_bf16_rne(m);
+        *qv = avx512_bf16_rne(v);
+    }
+}
+
+/* 32 elements from i with bf16 moments, in the unpack layout; idx holds lo32 of the global
+ * index of element i. */
+AB_INLINE void avx512_bf16_step32(const avx512_hyper *h, float *pp, const void *gp, uint16_t *mp,
+                                  uint16_t *vp, void *op, int64_t i, __m512i kh, __m512i idx,
+                                  int G, int O, int sr, int nt)
+{
+    /* prefetch AB_PREFETCH elements ahead in every read stream (see codecs.h) */
+    ab_prefetch_streams(pp, gp, mp, vp, i + AB_PREFETCH, 32, ab_dtype_size(G), 2);
+    avx512_half_pair p = avx512_to_unpack(_mm512_loadu_ps(pp + i), _mm512_loadu_ps(pp + i + 16));
+    avx512_half_pair g = avx512_load32_grad(gp, i, G);
+    avx512_half_pair m = avx512_load32_bf16(mp + i);          /* m = as_f32(qm << 16) */
+    avx512_half_pair v = avx512_load32_bf16(vp + i);          /* v = as_f32(qv << 16) */
+    avx512_adamw_raw(h, &p.a, g.a, &m.a, &v.a);
+    avx512_adamw_raw(h, &p.b, g.b, &m.b, &v.b);
+    /* a NaN p, m or v is stored as 0x7fc00000; only p needs testing (see avx512_flat_update) */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p.a, p.b, _CMP_UNORD_Q) != 0, 0)) {
+        p.a = avx512_canon(p.a), p.b = avx512_canon(p.b);
+        m.a = avx512_canon(m.a), m.b = avx512_canon(m.b);
+        v.a = avx512_canon(v.a), v.b = avx512_canon(v.b);
+    }
+    __m512 p0, p1;
+    avx512_from_unpack(p, &p0, &p1);
+    _mm512_storeu_ps(pp + i, p0);
+    _mm512_storeu_ps(pp + i + 16, p1);
+    __m512i ia = _mm512_add_epi32(idx, AVX512_UNPACK_A), qma, qva, qmb, qvb;
+    avx512_bf16_codes(m.a, v.a, kh, ia, sr, &qma, &qva);
+    avx512_bf16_codes(m.b, v.b, kh, _mm512_add_epi32(ia, _mm512_set1_epi32(4)), sr, &qmb, &qvb);
+    _mm512_storeu_si512(mp + i, _mm512_packus_epi32(qma, qmb));
+    _mm512_storeu_si512(vp + i, _mm512_packus_epi32(qva, qvb));
+    avx512_store32_out(op, i, p, O, nt);
 }
 
 AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, int G, int O,
@@ -174,7 +301,12 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)gi), AVX512_IOTA);
     int64_t i = begin;
     for (; i + 32 <= end; i += 32) {
-        avx512_flat_step32(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
+        if (prec == AB_MOMENTS_BF16)
+            avx512_bf16_step32(&h, pp, gp, (uint16_t *)mp, (uint16_t *)vp, op, i, kh,
+                               _mm512_set1_epi32((int)(uint32_t)(gi + (uint64_t)(i - begin))),
+                               G, O, sr, nt);
+        else
+            avx512_flat_step32(&h, pp, gp, mp, vp, op, i, kh, idx, G, O, prec, sr, nt);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(32));
     }
     for (; i + 16 <= end; i += 16) {
@@ -189,11 +321,20 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
-/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode.
- * sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
-AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t j,
-                                 __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512 *vmax_m,
-                                 __m512 *vmax_s, int G, int O, int nt, __mmask16 k, int full)
+/* NOTE: the block maxima are taken as unsigned integer maxima of the bit patterns of |m| and
+ * s: for non-negative finite floats the order of the patterns is the order of the values, so
+ * the result is the same float. A non-finite |m| or s (and an s with its sign bit set, a -0 or
+ * negative NaN, possible only with beta2 > 1) has a pattern >= 0x7f800000; then the block's
+ * maxima are taken again over its finite values the scalar way (avx512_fp8_amax). That
+ * replaces two compares and two masked float maxima per 16 elements by two integer maxima. */
+#define AVX512_FP8_NONFINITE 0x7f800000u
+
+/* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode; returns
+ * p as the arithmetic made it, for the caller to canonicalise and store. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
+AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
+                                   int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, int nan_codes,
+                                   __mmask16 k, int full)
 {
     int64_t i = b0 + j;
     float *pp = t->param;
@@ -201,21 +342,108 @@ AB_INLINE void avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int6
     __m512 p = avx512_load_f32(pp + i, k, full);
     __m512 g = avx512_load_grad(t->grad, i, G, k, full);
     /* m = dec_e4m3(qm) * scale_m */
-    __m512 m = _mm512_mul_ps(avx512_e4m3_decode_div256(avx512_load_u8(qm + j, k, full)), sm);
+    __m128i cm = avx512_load_u8(qm + j, k, full);
+    __m512 dm = nan_codes ? avx512_e4m3_decode_div256(cm) : avx512_e4m3_decode_div256_finite(cm);
+    __m512 m = _mm512_mul_ps(dm, sm);
     /* sv = dec_e5m2(qv) * scale_v; v = sv * sv */
     __m512 s = _mm512_mul_ps(avx512_e5m2_decode(avx512_load_u8(qv + j, k, full)), sv);
     __m512 v = _mm512_mul_ps(s, s);
-    s = avx512_adamw(h, &p, g, &m, &v);
-    avx512_store_f32(pp + i, p, k, full);
-    avx512_store_out(t->out, i, p, O, nt, k, full);
-    /* amax_m = max finite |m|; amax_s = max finite s (the lanes in k) */
-    __m512 am = avx512_abs(m), inf = _mm512_set1_ps(ab_as_f32(0x7f800000u));
-    __mmask16 fin_m = _mm512_mask_cmp_ps_mask(k, am, inf, _CMP_LT_OQ);
-    __mmask16 fin_s = _mm512_mask_cmp_ps_mask(k, s, inf, _CMP_LT_OQ);
-    *vmax_m = _mm512_mask_max_ps(*vmax_m, fin_m, am, *vmax_m);
-    *vmax_s = _mm512_mask_max_ps(*vmax_s, fin_s, s, *vmax_s);
+    s = avx512_adamw_raw(h, &p, g, &m, &v);
+    /* amax_m = max |m|; amax_s = max s, as patterns (the lanes in k; see the NOTE above) */
+    *vmax_m = _mm512_mask_max_epu32(*vmax_m, k, *vmax_m, _mm512_castps_si512(avx512_abs(m)));
+    *vmax_s = _mm512_mask_max_epu32(*vmax_s, k, *vmax_s, _mm512_castps_si512(s));
     _mm512_store_ps(mbuf + j, m);
     _mm512_store_ps(sbuf + j, s);
+    return p;
+}
+
+/* 32 elements from j: two 16-lane updates whose bf16 copies are narrowed together
+ * (avx512_narrow16x2) into one 64-byte store. */
+AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
+                                   int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
+                                   __m512i *vmax_m, __m512i *vmax_s, int G, int O, int nt,
+                                   int nan_codes)
+{
+    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, nan_codes,
+                                  0xffff, 1);
+    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+                                  nan_codes, 0xffff, 1);
+    int64_t i = b0 + j;
+    /* a NaN p is stored as 0x7fc00000: one compare for the pair */
+    if (__builtin_expect(_mm512_cmp_ps_mask(p0, p1, _CMP_UNORD_Q) != 0, 0))
+        p0 = avx512_canon(p0), p1 = avx512_canon(p1);
+    _mm512_storeu_ps(t->param + i, p0);
+    _mm512_storeu_ps(t->param + i + 16, p1);
+    if (O == AB_BF16) {
+        __m512i c = avx512_narrow16x2(avx512_bf16_rne(p0), avx512_bf16_rne(p1));
+        if (nt)
+            _mm512_stream_si512((__m512i *)((uint16_t *)t->out + i), c);
+        else
+            _mm512_storeu_si512((uint16_t *)t->out + i, c);
+    } else {
+        avx512_store_out(t->out, i, p0, O, nt, 0xffff, 1);
+        avx512_store_out(t->out, i + 16, p1, O, nt, 0xffff, 1);
+    }
+}
+
+/* Pass 1 of a block of n <= 128 elements. nan_codes: its m codes may hold the NaN code (the
+ * decode selects NaN only then; a test per block instead of three uops per 16 elements). */
+AB_INLINE void avx512_fp8_pass1(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t n,
+                                __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512i *vmax_m,
+                                __m512i *vmax_s, int G, int O, int nt, int nan_codes)
+{
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, O, nt, nan_codes);
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 p = avx512_canon(avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m,
+                                                  vmax_s, G, nan_codes, k, full));
+        avx512_store_f32(t->param + b0 + j, p, k, full);
+        avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
+    }
+}
+
+/* amax_m = max finite |m|, amax_s = max finite s of a block's n kept values (the scalar lines),
+ * for a block whose pattern maxima were not finite. */
+AB_INLINE void avx512_fp8_amax(const float *mbuf, const float *sbuf, int64_t n, float *amax_m,
+                               float *amax_s)
+{
+    *amax_m = 0.0f, *amax_s = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        ab_fp8_elem_amax(mbuf[j], sbuf[j], amax_m, amax_s);
+}
+
+/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. */
+AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf, __m512 vinv_m,
+                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, __m512i *cm_out,
+                                __m512i *cv_out)
+{
+    __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
+    __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
+    if (sr) {
+        /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
+         * r_v << 5 (E5M2) */
+        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
+        /* one shift and one and each: 512-bit shifts have one port, logic two */
+        rnd_m = _mm512_slli_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xffff)),
+                                  7 - AB_E4M3_MBITS);
+        rnd_v = _mm512_and_si512(_mm512_srli_epi32(r, 16 - (7 - AB_E5M2_MBITS)),
+                                 _mm512_set1_epi32(0xffff << (7 - AB_E5M2_MBITS)));
+    }
+    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
+                                   AB_E4M3_MBITS, sr, rnd_m);
+    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+    /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
+     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
+     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
+     * negative NaNs are above) */
+    __mmask16 neg = _mm512_cmplt_epi32_mask(
+        _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
+        _mm512_set1_epi32((int)0xff7fffffu));
+    *cm_out = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
 }
 
 /* Encode 16 elements of a block (lanes k) from the kept m and s. */
@@ -224,26 +452,34 @@ AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j,
                                       __m512i idx, int sr, __mmask16 k, int full)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
-    __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
-    __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
-    if (sr) {
-        /* r(i); r_m = r & 0xffff, r_v = r >> 16, placed below the kept bits: r_m << 4 (E4M3),
-         * r_v << 5 (E5M2) */
-        __m512i r = avx512_mix32(_mm512_xor_si512(kh, idx));
-        rnd_m = _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 16 - (7 - AB_E4M3_MBITS));
-        rnd_v = _mm512_slli_epi32(_mm512_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
-    }
-    /* x_m = |m| * inv_m; x_v = s * inv_v */
-    __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
-                                   AB_E4M3_MBITS, sr, rnd_m);
-    __m512i cv = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
-                                   rnd_v);
-    /* sign bit when m < 0 and the code is not the NaN code */
-    __mmask16 neg = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ);
-    neg = _mm512_mask_cmpneq_epi32_mask(neg, cm, _mm512_set1_epi32((int)AB_FP8_NAN));
-    cm = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
+    __m512i cm, cv;
+    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, &cm, &cv);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
+}
+
+/* Four vectors of 16 codes (u32 lanes, each <= 0xff) -> 64 bytes in order: two packus to u16
+ * and one to u8 (each interleaving the 128-bit lanes), then one dword permute, where four
+ * vpmovdb take two uops each. */
+AB_INLINE __m512i avx512_pack_codes64(__m512i c0, __m512i c1, __m512i c2, __m512i c3)
+{
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    return _mm512_permutexvar_epi32(order, bytes);
+}
+
+/* Encode 64 elements of a block from j, one 64-byte store per stream. */
+AB_INLINE void avx512_fp8_encode64(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
+                                   const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                   __m512i idx, int sr)
+{
+    __m512i cm[4], cv[4];
+    for (int q = 0; q < 4; q++)
+        avx512_fp8_codes(j + 16 * q, mbuf, sbuf, vinv_m, vinv_v, kh,
+                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, &cm[q], &cv[q]);
+    _mm512_storeu_si512((uint8_t *)t->exp_avg + b0 + j, avx512_pack_codes64(cm[0], cm[1], cm[2], cm[3]));
+    _mm512_storeu_si512((uint8_t *)t->exp_avg_sq + b0 + j,
+                        avx512_pack_codes64(cv[0], cv[1], cv[2], cv[3]));
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -255,27 +491,32 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m512 sm = _mm512_set1_ps(*scale_m * 256.0f), sv = _mm512_set1_ps(*scale_v);
-    __m512 vmax_m = _mm512_setzero_ps(), vmax_s = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0xffff, 1);
-    __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
-    if (j < n)                                         /* tail: masked lanes */
-        avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, tail, 0);
-    /* the lanes' maxima (finite, none is -0, so any order gives the scalar loop's result) */
-    float amax_m = _mm512_reduce_max_ps(vmax_m), amax_s = _mm512_reduce_max_ps(vmax_s);
+    __m512i vmax_m = _mm512_setzero_si512(), vmax_s = _mm512_setzero_si512();
+    if (avx512_has_e4m3_nan((const uint8_t *)t->exp_avg + b0, n))
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 1);
+    else
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
+    uint32_t bits_m = _mm512_reduce_max_epu32(vmax_m), bits_s = _mm512_reduce_max_epu32(vmax_s);
+    float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
+    if (bits_m >= AVX512_FP8_NONFINITE || bits_s >= AVX512_FP8_NONFINITE)
+        avx512_fp8_amax(mbuf, sbuf, n, &amax_m, &amax_s);     /* over the finite values only */
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
     __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
-    for (j = 0; j + 16 <= n; j += 16) {
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, 0xffff, 1);
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
+    }
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, k, full);
         idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
     }
-    if (j < n)                                         /* tail: masked lanes */
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, tail, 0);
 }
 
 /* Whether the block must take the scalar path: 256 * scale_m overflows (see

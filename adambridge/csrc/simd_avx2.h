@@ -45,14 +45,6 @@ AB_INLINE __m128i avx2_narrow16(__m256i x)
     return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
-/* Narrow two vectors of 8 u32 lanes holding values < 2^16 to 16 u16, in order: one packus
- * (which interleaves the 128-bit lanes of a and b) and one qword permute, where two
- * avx2_narrow16 would cost four shuffles. */
-AB_INLINE __m256i avx2_narrow16x2(__m256i a, __m256i b)
-{
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
-}
-
 /* bf16 RNE on 8 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
 AB_INLINE __m256i avx2_bf16_rne(__m256 x)
 {
@@ -94,11 +86,17 @@ AB_INLINE __m256 avx2_e5m2_decode(__m128i c)   /* the 8 codes in the low 8 bytes
     return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), c));
 }
 
-AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
+/* E4M3 / 256 for codes other than the NaN code (see avx2_e4m3_decode_div256). */
+AB_INLINE __m256 avx2_e4m3_decode_div256_finite(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
     __m128i h = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), c), 1);
-    __m256 x = _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+}
+
+AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
+{
+    __m256 x = avx2_e4m3_decode_div256_finite(c);
     /* the NaN code 0x7f / 0xff (a finite fp16 in this layout) decodes as NaN */
     __m128i nan8 = _mm_cmpeq_epi8(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
     __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan8));

@@ -116,11 +116,17 @@ AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
 }
 
-AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
+/* E4M3 / 256 for codes other than the NaN code (see avx512_e4m3_decode_div256). */
+AB_INLINE __m512 avx512_e4m3_decode_div256_finite(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
     __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
-    __m512 x = _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+}
+
+AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
+{
+    __m512 x = avx512_e4m3_decode_div256_finite(c);
     /* the NaN code 0x7f / 0xff (a finite fp16 in this layout) decodes as NaN */
     __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(c, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
     return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)AB_CANON_NAN)));
@@ -150,6 +156,17 @@ AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m51
         rnd = _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (drop - 1)) - 1));
     }
     return _mm512_srli_epi32(_mm512_add_epi32(b, rnd), drop);
+}
+
+/* Whether the n <= 128 codes of m at qm hold the E4M3 NaN code (0x7f or 0xff). */
+AB_INLINE int avx512_has_e4m3_nan(const uint8_t *qm, int64_t n)
+{
+    const __m512i low7 = _mm512_set1_epi8(0x7f);
+    __mmask64 k0 = n >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << n) - 1;
+    __mmask64 k1 = n >= 128 ? ~(__mmask64)0 : n <= 64 ? 0 : ((__mmask64)1 << (n - 64)) - 1;
+    __m512i c0 = _mm512_and_si512(_mm512_maskz_loadu_epi8(k0, qm), low7);
+    __m512i c1 = _mm512_and_si512(_mm512_maskz_loadu_epi8(k1, qm + 64), low7);
+    return (_mm512_mask_cmpeq_epi8_mask(k0, c0, low7) | _mm512_mask_cmpeq_epi8_mask(k1, c1, low7)) != 0;
 }
 
 /* |x| with integer ops (_mm512_and_ps would need AVX512DQ). */

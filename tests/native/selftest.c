@@ -107,27 +107,34 @@ typedef struct {
 static size_t moment_size(int prec) { return prec == AB_MOMENTS_F32 ? 4 : prec == AB_MOMENTS_BF16 ? 2 : 1; }
 static int64_t nblocks(int64_t n) { return (n + AB_BLOCK - 1) / AB_BLOCK; }
 
-static void state_alloc(state *s, size_t shift)
+/* Where state_alloc puts the buffers relative to 64-byte alignment. */
+#define PLACE_ALIGNED 0
+#define PLACE_SHIFTED 1   /* every buffer but sm one element (v three) past 64-byte alignment */
+#define PLACE_OUT16 2     /* `out` 16 bytes past 64-byte alignment (not 32: the AVX2 streams) */
+
+static void state_alloc(state *s, int place)
 {
     size_t gs = (size_t)ab_dtype_size(s->gdt), ms = moment_size(s->prec);
     size_t os = (size_t)ab_dtype_size(s->odt);
+    int shift = place == PLACE_SHIFTED;
     s->p = tbuf_new((size_t)s->n * 4, shift ? 4 : 0);
     s->g = tbuf_new((size_t)s->n * gs, shift ? gs : 0);
     s->m = tbuf_new((size_t)s->n * ms, shift ? ms : 0);
     s->v = tbuf_new((size_t)s->n * ms, shift ? 3 * ms : 0);
     s->sm = tbuf_new((size_t)nblocks(s->n) * 4, 0);
     s->sv = tbuf_new((size_t)nblocks(s->n) * 4, shift ? 4 : 0);
-    s->out = tbuf_new((size_t)s->n * (os ? os : 1), shift ? os : 0);
+    s->out = tbuf_new((size_t)s->n * (os ? os : 1),
+                      shift ? os : place == PLACE_OUT16 ? 16 : 0);
 }
 static void state_free(state *s)
 {
     free(s->p.base), free(s->g.base), free(s->m.base), free(s->v.base);
     free(s->sm.base), free(s->sv.base), free(s->out.base);
 }
-static void state_copy(state *dst, const state *src, size_t shift)
+static void state_copy(state *dst, const state *src, int place)
 {
     *dst = *src;
-    state_alloc(dst, shift);
+    state_alloc(dst, place);
     memcpy(dst->p.data, src->p.data, src->p.bytes);
     memcpy(dst->g.data, src->g.data, src->g.bytes);
     memcpy(dst->m.data, src->m.data, src->m.bytes);
@@ -323,7 +330,8 @@ static void check_config(int64_t n, int64_t offset, int gdt, int odt, int prec, 
                 int64_t cuts[64];
                 int ncuts = make_cuts(variant, n, prec == AB_MOMENTS_FP8, cuts);
                 state got;
-                state_copy(&got, &ref, (size_t)(variant & 1));
+                state_copy(&got, &ref, variant == 1 ? PLACE_SHIFTED
+                                       : variant == 2 ? PLACE_OUT16 : PLACE_ALIGNED);
                 st = state_update(&got, cuts, ncuts);
                 char why[128] = "";
                 int ok = st == AB_OK && state_equal(&want, &got, why);
@@ -354,10 +362,11 @@ static void check_kernels(int quick)
                         for (int sr = 0; sr < 2; sr++)
                             check_config(sizes[si], offsets[oi], gdt, odt, prec, sr, 3);
             }
-    /* a 3M tensor: pieces of the real pool split, streamed (non-temporal) `out` */
+    /* a 3M tensor: pieces of the real pool split, streamed (non-temporal) `out`, also 16
+     * bytes past 64-byte alignment (variant 2) */
     for (int prec = 0; prec < 3 && !quick; prec++)
         for (int odt = 0; odt < 4; odt += 1)
-            check_config(3000000 + 77 * (prec != AB_MOMENTS_FP8), 128, AB_BF16, odt, prec, 1, 2);
+            check_config(3000000 + 77 * (prec != AB_MOMENTS_FP8), 128, AB_BF16, odt, prec, 1, 3);
 }
 
 /* Non-finite values in every input, at every size and layout: every ISA equals scalar. */
@@ -402,7 +411,7 @@ static void check_many_tensors(void)
             ab_set_isa(isas[ii]);
             ab_pool_configure(threads, NULL, 0);
             for (int k = 0; k < COUNT; k++) {
-                state_copy(&got[k], &ref[k], (size_t)(k & 1));
+                state_copy(&got[k], &ref[k], k & 1 ? PLACE_SHIFTED : PLACE_ALIGNED);
                 ts[k] = state_range(&got[k], 0, got[k].n);
             }
             int st = ab_adamw_update(ts, COUNT);

@@ -272,7 +272,7 @@ class Pipeline(FactsMixin):
                         lane.transport)
         for piece, ticket in zip(pieces, tickets):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
-            lane.queue.put(piece)
+            lane.submit(piece)
 
     def _release(self, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
         if self.opt.release_grads:
@@ -323,7 +323,7 @@ class Pipeline(FactsMixin):
         for p, grad, out in zip(params, grads, outs):
             self._release(p, p.grad, lane)
             job = self._start_job(record, p, grad, out, 1, id(p) in new_ids, lane.transport)
-            lane.queue.put(Piece(job, 0, p.numel(), ticket, writeback, record))
+            lane.submit(Piece(job, 0, p.numel(), ticket, writeback, record))
 
     def drain(self, record: StepRecord) -> None:
         """Wait until every lane has handled (updated or held) every piece queued so far."""
@@ -444,6 +444,8 @@ class Pipeline(FactsMixin):
         """Remove the hooks and stop the workers, always; a step in flight is dropped."""
         record, self._record = self._record, None
         self._jobs, self._pieces = {}, {}
+        for lane in self.lanes.values():
+            lane.drop_gathered()
         self._finalizer()
         interception.unregister(self)
         for lane in self.lanes.values():

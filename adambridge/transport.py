@@ -69,6 +69,10 @@ class HostTransport:
     gradients of the parameters given to ``stage`` are copied into a buffer of their own.
     """
 
+    # NOTE: issue 13. The worker is woken once per this many gradient elements (worker.py,
+    # Lane.submit): every copy has landed at once, so waiting costs no overlap but the tail.
+    gather_numel = 1 << 16
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._out: dict[torch.Tensor, torch.Tensor] = {}

@@ -177,6 +177,8 @@ class ManualTransport(HostTransport):
     No test of the schedule depends on timing: copies land when told, and ``events``
     records the order of landings, updates and copies back."""
 
+    gather_numel = 0  # its copies land later, as a GPU's do: each piece is queued at once
+
     def __init__(self, device, events: list) -> None:
         super().__init__(device)
         self.made, self.landed, self.events = 0, 0, events

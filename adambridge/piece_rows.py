@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 import weakref
-from operator import is_
+from operator import call, is_
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,22 +37,17 @@ _HYPER_ROW = struct.Struct(f"={len(loader.HYPER_FIELDS) + 1}f")  # + the reserve
 _DTYPE_CODES = {torch.float32: (0, 4), torch.bfloat16: (1, 2), torch.float16: (2, 2)}
 
 
-def _no_tensor() -> None:
-    return None
-
-
-def _ref(t: Optional[torch.Tensor]) -> Callable[[], Optional[torch.Tensor]]:
-    return _no_tensor if t is None else weakref.ref(t)
-
-
 class PieceRow:
     """One piece's packed row and the facts it holds for (see the module docstring)."""
 
-    __slots__ = ("row", "refs", "p_pointer", "rounding", "out_code")
+    __slots__ = ("row", "keys", "refs", "p_pointer", "rounding", "out_code")
 
     def __init__(self, row: bytearray, state: dict, p: torch.Tensor, rounding: bool) -> None:
         self.row = row
-        self.refs = tuple(_ref(state.get(k)) for k in _STATE_KEYS)
+        # The state tensors whose addresses the row holds (the scales only in fp8 rows: any
+        # change of precision replaces the moments, which are always checked).
+        self.keys = _STATE_KEYS if state.get("exp_avg_scale") is not None else _STATE_KEYS[:3]
+        self.refs = tuple(weakref.ref(state[k]) for k in self.keys)
         self.p_pointer = p.data_ptr()
         self.rounding = rounding
         self.out_code = _CODE.unpack_from(row, _OUT_CODE)[0]
@@ -62,7 +57,7 @@ class PieceRow:
         """Whether the fixed part of the row still describes p's state and p."""
         return (self.p_pointer == p.data_ptr() and self.rounding == rounding
                 and (out is None) == (self.out_code == loader.AB_NONE)
-                and all(map(is_, (ref() for ref in self.refs), map(state.get, _STATE_KEYS))))
+                and all(map(is_, map(call, self.refs), map(state.get, self.keys))))
 
 
 def _checked_pointer(t: torch.Tensor, n: int, name: str) -> tuple[int, int]:

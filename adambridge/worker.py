@@ -22,6 +22,7 @@ import torch
 
 from . import piece_rows, rank_pool, step_facts, topology
 from .functional import adamw_update
+from .slots import copy_many
 
 _log = logging.getLogger("adambridge")
 _POLL_S = 0.1       # how often a waiting thread checks that the thread it waits on lives
@@ -335,13 +336,13 @@ class Lane:
             with record.lock:
                 record.host_update_s += elapsed
                 record.num_batches += bool(batch)
-            for piece in batch:
-                if speculative:
+            if speculative:
+                for piece in batch:
                     piece.job.updated_ranges.append(piece.span)
-                self._done(piece)
             for piece in streamed:
                 piece.job.streamed = speculative
-                self._done(piece)
+            self._done(record, batch)
+            self._done(record, streamed)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
 
@@ -385,20 +386,28 @@ class Lane:
         return job.opt.range_item(job.p, job.group, job.state, job.step,
                                   job.grad[piece.start:piece.end], out, piece.start)
 
-    def _done(self, piece: Piece) -> None:
-        writeback = piece.writeback
-        writeback.left -= 1
-        if writeback.left == 0:
-            if self.overlap_writeback:
-                writeback.send()
-            else:
-                self._deferred.append(writeback)
-        job = piece.job
-        job.pieces_left -= 1
-        if job.pieces_left == 0:
-            job.state["step"].fill_(job.step)
-            with piece.record.lock:
-                piece.record.updated.append(job.index)
+    def _done(self, record: StepRecord, pieces: list[Piece]) -> None:
+        """Send back each copy whose pieces are all updated; commit each finished job's step
+        (``record.updated`` takes them at once, even if a copy back raises midway)."""
+        finished: list[Job] = []
+        try:
+            for piece in pieces:
+                writeback = piece.writeback
+                writeback.left -= 1
+                if writeback.left == 0:
+                    if self.overlap_writeback:
+                        writeback.send()
+                    else:
+                        self._deferred.append(writeback)
+                job = piece.job
+                job.pieces_left -= 1
+                if job.pieces_left == 0:
+                    finished.append(job)
+        finally:
+            if finished:
+                _commit_steps(finished)
+                with record.lock:
+                    record.updated.extend(job.index for job in finished)
 
     def drop(self) -> None:
         """Forget the held pieces and deferred copies of a step that will not finish."""
@@ -432,6 +441,19 @@ def _discard(units: queue.SimpleQueue) -> None:
             units.get_nowait()
         except queue.Empty:
             return
+
+
+def _commit_steps(jobs: list[Job]) -> None:
+    """state["step"] = job.step for each job, as one multi-tensor copy per step value.
+
+    NOTE: issue 13: a fill_ per parameter was a torch call per gradient on the worker, and
+    each such call lets the GIL go to the autograd thread and back."""
+    by_step: dict[int, list] = {}
+    for job in jobs:
+        by_step.setdefault(job.step, []).append(job.state["step"])
+    for step, counters in by_step.items():
+        value = torch.tensor(float(step))  # float32, as fill_(step) rounds an int
+        copy_many(counters, [value] * len(counters))
 
 
 def _keep_moments(batch: list[Piece], items: list) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._native import loader
-from .codecs import stream_key
+from .codecs import MASK32, mix32, step_key
 from .functional import Hyper
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
@@ -81,39 +81,40 @@ class RowPacker:
     """Packs one batch of pieces into a descriptor buffer (one per worker call)."""
 
     def __init__(self) -> None:
-        self._hyper_rows: dict = {}  # (id(group), step) -> packed hyperparameters, this batch
+        self._per_step: dict = {}  # (id(group), seed, step) -> (hyper bytes, step key)
 
-    def _hyper_row(self, group: dict, step: int) -> bytes:
-        key = (id(group), step)  # the group is alive for the whole batch: its id is stable
-        row = self._hyper_rows.get(key)
-        if row is None:
+    def _step_facts(self, group: dict, seed: int, step: int) -> tuple[bytes, int]:
+        key = (id(group), seed, step)  # the group is alive for the whole batch: its id is stable
+        facts = self._per_step.get(key)
+        if facts is None:
             hyper = hyper_of(group, step)
-            row = self._hyper_rows[key] = _HYPER_ROW.pack(
-                *(getattr(hyper, f) for f in loader.HYPER_FIELDS), 0.0)
-        return row
+            facts = self._per_step[key] = (
+                _HYPER_ROW.pack(*(getattr(hyper, f) for f in loader.HYPER_FIELDS), 0.0),
+                step_key(seed, step))
+        return facts
 
     def refresh(self, piece: Any) -> bool:
         """Write this step's pointers, key and hyperparameters into piece's kept row; False
         when there is none or its facts no longer hold (the caller packs a fresh one)."""
         kept, job = piece.row, piece.job
-        state, p = job.state, job.p
+        state, p, out = job.state, job.p, job.out
         if kept is None or state is None or job.source is not None:
             return False
         opt = job.opt
-        if not kept.holds(state, p, opt.stochastic_rounding, job.out):
+        if not kept.holds(state, p, opt.stochastic_rounding, out):
             return False
-        n = piece.end
-        row = kept.row
-        grad_pointer, grad_code = _checked_pointer(job.grad, n, "grad")
-        _POINTER.pack_into(row, _GRAD, grad_pointer)
-        if job.out is not None:
-            out_pointer, out_code = _checked_pointer(job.out, n, "out")
+        n, row = piece.end, kept.row
+        if out is not None:
+            out_pointer, out_code = _checked_pointer(out, n, "out")
             if out_code != kept.out_code:
                 return False
             _POINTER.pack_into(row, _OUT, out_pointer)
-        _KEY_AND_DTYPE.pack_into(row, _KEY, stream_key(opt.seed, job.step, job.index) & 0xFFFFFFFF,
-                                 grad_code)
-        row[_HYPER:_HYPER + _HYPER_ROW.size] = self._hyper_row(job.group, job.step)
+        grad_pointer, grad_code = _checked_pointer(job.grad, n, "grad")
+        _POINTER.pack_into(row, _GRAD, grad_pointer)
+        hyper, key = self._step_facts(job.group, opt.seed, job.step)
+        # stream_key(seed, step, index), with the step's part computed once per batch
+        _KEY_AND_DTYPE.pack_into(row, _KEY, mix32(key ^ (job.index & MASK32)), grad_code)
+        row[_HYPER:_HYPER + _HYPER_ROW.size] = hyper
         return True
 
 

@@ -94,7 +94,9 @@ class HostTransport:
                      with_values: bool) -> tuple[torch.Tensor, list]:
         staged = self._staged.get(id(p))
         if staged is not None:
-            staged[1].copy_(grad.detach())  # the same values in the same (logical) order
+            # the same values in the same (logical) order; detached only if it needs it
+            # (create_graph=True), as a detach is one more tensor object per gradient
+            staged[1].copy_(grad.detach() if grad.requires_grad else grad)
             return staged[0], [_LANDED] * len(ranges)
         return _flat(grad.detach()), [_LANDED] * len(ranges)  # one shared ticket: no state
 

@@ -238,19 +238,20 @@ class Pipeline(FactsMixin):
         return job
 
     def _start_job(self, opt: Any, record: StepRecord, p: torch.Tensor, index: int,
-                   grad: torch.Tensor, out: Optional[torch.Tensor], pieces: int, new: bool,
-                   transport: Any) -> Job:
+                   group: dict, grad: torch.Tensor, out: Optional[torch.Tensor], pieces: int,
+                   new: bool, transport: Any) -> Job:
         """p's reused Job, begun for this step and entered in ``record.jobs``."""
         state = opt.state.get(p) or None
         step = int(state["step"].item()) + 1 if state else 1
         job = self._job_of(p)
-        job.begin(opt, index, self.group_of[p], state, step, grad, out,
+        job.begin(opt, index, group, state, step, grad, out,
                   transport.source(p) if new else None, pieces, transport)
         record.jobs[p] = job
         return job
 
     def _pieces_of(self, opt: Any, p: torch.Tensor) -> tuple:
-        """(p's lane, index, chunk ranges, reused Pieces); remade when the chunking changed."""
+        """(p's lane, index, group, chunk ranges, reused Pieces); remade when the chunking
+        changed, dropped when param_groups change (see _refresh_groups)."""
         key = (opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
         cached = self._pieces.get(id(p))
         if cached is None or cached[0] != key:
@@ -261,21 +262,22 @@ class Pipeline(FactsMixin):
                             WriteBack(functools.partial(lane.transport.to_device, p, start, end),
                                       1), None)
                       for start, end in ranges]
-            cached = self._pieces[id(p)] = (key, lane, opt.index(p), ranges, pieces)
+            cached = self._pieces[id(p)] = (key, lane, opt.index(p), self.group_of[p], ranges,
+                                            pieces)
         return cached[1:]
 
     def _enqueue(self, opt: Any, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
-        # The index is kept with the pieces, which go whenever param_groups change.
-        lane, index, ranges, pieces = self._pieces_of(opt, p)
+        # The index and group are kept with the pieces, which go whenever param_groups change.
+        lane, index, group, ranges, pieces = self._pieces_of(opt, p)
         transport = lane.transport
         new = opt.needs_values(p)  # a first update, or p written by someone else
         grad = p.grad if reduced is None else reduced
         host_grad, tickets = transport.grad_to_host(p, grad, ranges, new)
         if reduced is None:
             self._release(opt, p, grad, lane)
-        self._start_job(opt, record, p, index, host_grad, transport.out(p), len(pieces), new,
-                        transport)
+        self._start_job(opt, record, p, index, group, host_grad, transport.out(p), len(pieces),
+                        new, transport)
         for piece, ticket in zip(pieces, tickets):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
             lane.submit(piece)
@@ -328,8 +330,8 @@ class Pipeline(FactsMixin):
         new_ids = {id(p) for p in new}
         for p, grad, out in zip(params, grads, outs):
             self._release(opt, p, p.grad, lane)
-            job = self._start_job(opt, record, p, opt.index(p), grad, out, 1, id(p) in new_ids,
-                                  lane.transport)
+            job = self._start_job(opt, record, p, opt.index(p), self.group_of[p], grad, out, 1,
+                                  id(p) in new_ids, lane.transport)
             lane.submit(Piece(job, 0, p.numel(), ticket, writeback, record))
 
     def drain(self, record: StepRecord) -> None:

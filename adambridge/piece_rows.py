@@ -13,6 +13,7 @@ the loader, every pointer checked; its row is then kept for the next step.
 """
 from __future__ import annotations
 
+import ctypes
 import struct
 import weakref
 from operator import call, is_
@@ -123,8 +124,8 @@ def whole(piece: Any) -> bool:
     return piece.start == 0 and piece.end == piece.job.p.numel()
 
 
-def pack(batch: list, item_of: Callable[[Any], Any]) -> torch.Tensor:
-    """The descriptor rows of ``batch`` as a (len(batch), DESC_BYTES) uint8 tensor.
+def pack(batch: list, item_of: Callable[[Any], Any]) -> ctypes.Array:
+    """The descriptor rows of ``batch``: a ctypes array of ``struct ab_tensor``.
 
     ``item_of(piece)`` builds a piece's UpdateItem (and makes its state on a first update)
     for the pieces whose kept row cannot be refreshed.
@@ -134,17 +135,20 @@ def pack(batch: list, item_of: Callable[[Any], Any]) -> torch.Tensor:
     for piece in batch:
         if not packer.refresh(piece):
             item = item_of(piece)
-            row = bytearray(loader.descriptors([item]).numpy().tobytes())
+            desc = loader.descriptors([item])  # every pointer checked by the loader
+            row = bytearray(ctypes.string_at(desc.data_ptr(), loader.DESC_BYTES))
             if whole(piece):
                 piece.row = PieceRow(row, piece.job.state, piece.job.p,
                                      piece.job.opt.stochastic_rounding)
             rows.append(row)
             continue
         rows.append(piece.row.row)
-    buffer = bytearray(b"".join(rows))
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(len(rows), loader.DESC_BYTES)
+    # (ctypes, not a torch tensor: a torch call lets the GIL go, and a worker that lets it
+    # go waits for the autograd thread to hand it back, then makes that thread wait)
+    return (loader.AbTensor * len(rows)).from_buffer(bytearray(b"".join(rows)))
 
 
-def run(desc: torch.Tensor) -> None:
-    """One native call over every row of ``desc``."""
-    loader.run(desc)
+def run(rows: ctypes.Array) -> None:
+    """One native call over every row (the GIL is released during it)."""
+    native = loader.load()
+    native.check(native.lib.ab_adamw_update(rows, len(rows)), "ab_adamw_update")

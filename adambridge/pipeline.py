@@ -240,11 +240,11 @@ class Pipeline(FactsMixin):
     def _start_job(self, opt: Any, record: StepRecord, p: torch.Tensor, index: int,
                    group: dict, grad: torch.Tensor, out: Optional[torch.Tensor], pieces: int,
                    new: bool, transport: Any) -> Job:
-        """p's reused Job, begun for this step and entered in ``record.jobs``."""
+        """p's reused Job, begun for this step and entered in ``record.jobs``; the worker
+        reads its step (worker.read_steps: one call per batch, not a torch call per hook)."""
         state = opt.state.get(p) or None
-        step = int(state["step"].item()) + 1 if state else 1
         job = self._job_of(p)
-        job.begin(opt, index, group, state, step, grad, out,
+        job.begin(opt, index, group, state, 0, grad, out,
                   transport.source(p) if new else None, pieces, transport)
         record.jobs[p] = job
         return job

@@ -106,7 +106,7 @@ class Job:
     index: int
     group: dict
     state: Optional[dict]           # None until this update creates it
-    step: int
+    step: int                       # the step this update makes; 0 until read_steps
     grad: torch.Tensor              # flat host gradient (kept until the step finishes)
     out: Optional[torch.Tensor]     # flat host copy of the new weights (None: into p/master)
     source: Optional[torch.Tensor]  # p's values, when this update creates the master
@@ -331,6 +331,7 @@ class Lane:
         if record.failed:
             return
         try:
+            read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
             elapsed = self._update(batch, speculative and record.clip_watch is not None)
             with record.lock:
@@ -441,6 +442,24 @@ def _discard(units: queue.SimpleQueue) -> None:
             units.get_nowait()
         except queue.Empty:
             return
+
+
+def read_steps(pieces: list[Piece]) -> None:
+    """Set job.step (state["step"] + 1, or 1 for a first update) where it is still 0.
+
+    NOTE: issue 13: read in one torch call per batch; an ``item()`` in every hook was a
+    torch call per gradient on the autograd thread (each one lets the GIL go)."""
+    unread = [piece.job for piece in pieces if piece.job.step == 0]
+    if not unread:
+        return
+    counted = [job for job in unread if job.state]
+    if counted:
+        values = torch.stack([job.state["step"] for job in counted]).tolist()
+        for job, value in zip(counted, values):
+            job.step = int(value) + 1
+    for job in unread:
+        if job.step == 0:  # no state yet: this update makes it
+            job.step = 1
 
 
 def _commit_steps(jobs: list[Job]) -> None:

@@ -293,7 +293,8 @@ class Pipeline(FactsMixin):
         """Owned gradients of ``device`` not sent yet: small, hand-set, accumulated ones."""
         params = []
         for p in self.owned:
-            if p.device != device or p.grad is None or p in record.jobs:
+            # (p.grad first: it is None for most, and p.device makes a device object)
+            if p.grad is None or p.device != device or p in record.jobs:
                 continue
             used = self._used.get(p)
             if used is not None and used[0]() is p.grad and used[1] == p.grad._version:

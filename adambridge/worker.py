@@ -139,8 +139,10 @@ class Job:
         must not keep the host gradients alive, nor the optimizer that owns the pipeline)."""
         self.opt = self.grad = self.out = self.source = self.state = None
         self.transport = self.grad_before = None
-        self.updated_ranges.clear()
-        self.saved_moments.clear()
+        if self.updated_ranges:  # (empty unless this step updated speculatively)
+            self.updated_ranges.clear()
+        if self.saved_moments:
+            self.saved_moments.clear()
 
 
 @dataclass(eq=False)

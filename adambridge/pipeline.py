@@ -250,8 +250,8 @@ class Pipeline(FactsMixin):
         return job
 
     def _pieces_of(self, opt: Any, p: torch.Tensor) -> tuple:
-        """(p's lane, index, group, chunk ranges, reused Pieces); remade when the chunking
-        changed, dropped when param_groups change (see _refresh_groups)."""
+        """(chunking key, lane, index, group, chunk ranges, reused Pieces) of p: remade when
+        the chunking changed, dropped when param_groups change (see _refresh_groups)."""
         key = (opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
         cached = self._pieces.get(id(p))
         if cached is None or cached[0] != key:
@@ -264,20 +264,24 @@ class Pipeline(FactsMixin):
                       for start, end in ranges]
             cached = self._pieces[id(p)] = (key, lane, opt.index(p), self.group_of[p], ranges,
                                             pieces)
-        return cached[1:]
+        return cached
 
     def _enqueue(self, opt: Any, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
-        # The index and group are kept with the pieces, which go whenever param_groups change.
-        lane, index, group, ranges, pieces = self._pieces_of(opt, p)
+        # NOTE: issue 13: one call per gradient from here on (the Job is the pieces' own),
+        # the index and group kept with the pieces, which go whenever param_groups change.
+        _, lane, index, group, ranges, pieces = self._pieces_of(opt, p)
         transport = lane.transport
         new = opt.needs_values(p)  # a first update, or p written by someone else
         grad = p.grad if reduced is None else reduced
         host_grad, tickets = transport.grad_to_host(p, grad, ranges, new)
-        if reduced is None:
-            self._release(opt, p, grad, lane)
-        self._start_job(opt, record, p, index, group, host_grad, transport.out(p), len(pieces),
-                        new, transport)
+        if reduced is None and opt.release_grads:
+            transport.release(grad)
+            p.grad = None
+        job = pieces[0].job
+        job.begin(opt, index, group, opt.state.get(p) or None, 0, host_grad, transport.out(p),
+                  transport.source(p) if new else None, len(pieces), transport)
+        record.jobs[p] = job
         for piece, ticket in zip(pieces, tickets):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
             lane.submit(piece)

@@ -132,6 +132,9 @@ class Pipeline(FactsMixin):
                 a is not b for a, b in zip(groups, self._groups_seen)):
             self.group_of = {p: group for group in groups for p in group["params"]}
             self._groups_seen = list(groups)
+            # Both ways the optimizer re-indexes its parameters (add_param_group,
+            # load_state_dict) replace param_groups: the indices kept with the pieces go too.
+            self._pieces = {}
 
     # -- the hook (autograd thread)
 
@@ -141,31 +144,32 @@ class Pipeline(FactsMixin):
         self._track_backward()
         if not self._window_closes():
             return  # the gradient stays on the device and accumulates
-        record = self._current_record()
+        # (read without the lock when set: finish replaces it only after the last hook)
+        record = self._record or self._current_record()
+        opt = self.opt  # (a weak reference: called once per gradient, not once per use)
         if p in record.jobs:
-            raise RuntimeError(f"parameter {self.opt.index(p)} received a second gradient "
+            raise RuntimeError(f"parameter {opt.index(p)} received a second gradient "
                                f"before the optimizer step; wrap the earlier backward passes "
                                f"of the step in `with opt.accumulate():`, or pass "
                                f"accumulation_steps=N to attach_hooks")
         if record.failed:
             return
-        index = self.opt.index(p)
         try:
-            self.opt.check_gradient(p)
-            self._check_release_unchanged()
+            opt.check_gradient(p)
+            self._check_release_unchanged(opt)
         except (RuntimeError, ValueError) as exc:
             record.fail(exc)
             return
         try:
-            self._enqueue(p, record, reduced)
+            self._enqueue(opt, p, record, reduced)
         except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
-            record.fail(exc, f"sending the gradient of parameter {index} to the host")
+            record.fail(exc, f"sending the gradient of parameter {opt.index(p)} to the host")
 
-    def _check_release_unchanged(self) -> None:
+    def _check_release_unchanged(self, opt: Any) -> None:
         # Small released gradients are copied at the hook (transport.stage): a kept p.grad
         # would then miss what clipping does to the copy.
-        if self.opt.release_grads != self._released:
-            raise ValueError(f"release_grads changed to {self.opt.release_grads} after "
+        if opt.release_grads != self._released:
+            raise ValueError(f"release_grads changed to {opt.release_grads} after "
                              f"attach_hooks(); call opt.detach_hooks(), then "
                              f"opt.attach_hooks(model)")
 
@@ -233,49 +237,57 @@ class Pipeline(FactsMixin):
             job = self._jobs[id(p)] = Job(None, p, 0, {}, None, 0, None, None, None, 0)
         return job
 
-    def _start_job(self, record: StepRecord, p: torch.Tensor, grad: torch.Tensor,
-                   out: Optional[torch.Tensor], pieces: int, new: bool, transport: Any) -> Job:
-        """p's reused Job, begun for this step and entered in ``record.jobs``."""
-        opt = self.opt
+    def _start_job(self, opt: Any, record: StepRecord, p: torch.Tensor, index: int,
+                   group: dict, grad: torch.Tensor, out: Optional[torch.Tensor], pieces: int,
+                   new: bool, transport: Any) -> Job:
+        """p's reused Job, begun for this step and entered in ``record.jobs``; the worker
+        reads its step (worker.read_steps: one call per batch, not a torch call per hook)."""
         state = opt.state.get(p) or None
-        step = int(state["step"].item()) + 1 if state else 1
         job = self._job_of(p)
-        job.begin(opt, opt.index(p), self.group_of[p], state, step, grad, out,
+        job.begin(opt, index, group, state, 0, grad, out,
                   transport.source(p) if new else None, pieces, transport)
         record.jobs[p] = job
         return job
 
-    def _pieces_of(self, p: torch.Tensor, lane: Lane) -> tuple[list, list]:
-        """p's chunk ranges and its reused Pieces; remade only when the chunking changed."""
-        key = (self.opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
+    def _pieces_of(self, opt: Any, p: torch.Tensor) -> tuple:
+        """(chunking key, lane, index, group, chunk ranges, reused Pieces) of p: remade when
+        the chunking changed, dropped when param_groups change (see _refresh_groups)."""
+        key = (opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
         cached = self._pieces.get(id(p))
         if cached is None or cached[0] != key:
+            lane = self.lanes[p.device]
             ranges = chunk_ranges(p.numel(), key[0]) if key[1] else [(0, p.numel())]
             job = self._job_of(p)
             pieces = [Piece(job, start, end, None,
                             WriteBack(functools.partial(lane.transport.to_device, p, start, end),
                                       1), None)
                       for start, end in ranges]
-            cached = self._pieces[id(p)] = (key, ranges, pieces)
-        return cached[1], cached[2]
+            cached = self._pieces[id(p)] = (key, lane, opt.index(p), self.group_of[p], ranges,
+                                            pieces)
+        return cached
 
-    def _enqueue(self, p: torch.Tensor, record: StepRecord,
+    def _enqueue(self, opt: Any, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
-        opt, lane = self.opt, self.lanes[p.device]
+        # NOTE: issue 13: one call per gradient from here on (the Job is the pieces' own),
+        # the index and group kept with the pieces, which go whenever param_groups change.
+        _, lane, index, group, ranges, pieces = self._pieces_of(opt, p)
+        transport = lane.transport
         new = opt.needs_values(p)  # a first update, or p written by someone else
         grad = p.grad if reduced is None else reduced
-        ranges, pieces = self._pieces_of(p, lane)
-        host_grad, tickets = lane.transport.grad_to_host(p, grad, ranges, new)
-        if reduced is None:
-            self._release(p, grad, lane)
-        self._start_job(record, p, host_grad, lane.transport.out(p), len(pieces), new,
-                        lane.transport)
+        host_grad, tickets = transport.grad_to_host(p, grad, ranges, new)
+        if reduced is None and opt.release_grads:
+            transport.release(grad)
+            p.grad = None
+        job = pieces[0].job
+        job.begin(opt, index, group, opt.state.get(p) or None, 0, host_grad, transport.out(p),
+                  transport.source(p) if new else None, len(pieces), transport)
+        record.jobs[p] = job
         for piece, ticket in zip(pieces, tickets):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
-            lane.queue.put(piece)
+            lane.submit(piece)
 
-    def _release(self, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
-        if self.opt.release_grads:
+    def _release(self, opt: Any, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
+        if opt.release_grads:
             lane.transport.release(grad)
             p.grad = None
 
@@ -285,7 +297,8 @@ class Pipeline(FactsMixin):
         """Owned gradients of ``device`` not sent yet: small, hand-set, accumulated ones."""
         params = []
         for p in self.owned:
-            if p.device != device or p.grad is None or p in record.jobs:
+            # (p.grad first: it is None for most, and p.device makes a device object)
+            if p.grad is None or p.device != device or p in record.jobs:
                 continue
             used = self._used.get(p)
             if used is not None and used[0]() is p.grad and used[1] == p.grad._version:
@@ -321,9 +334,10 @@ class Pipeline(FactsMixin):
                               len(params))
         new_ids = {id(p) for p in new}
         for p, grad, out in zip(params, grads, outs):
-            self._release(p, p.grad, lane)
-            job = self._start_job(record, p, grad, out, 1, id(p) in new_ids, lane.transport)
-            lane.queue.put(Piece(job, 0, p.numel(), ticket, writeback, record))
+            self._release(opt, p, p.grad, lane)
+            job = self._start_job(opt, record, p, opt.index(p), self.group_of[p], grad, out, 1,
+                                  id(p) in new_ids, lane.transport)
+            lane.submit(Piece(job, 0, p.numel(), ticket, writeback, record))
 
     def drain(self, record: StepRecord) -> None:
         """Wait until every lane has handled (updated or held) every piece queued so far."""
@@ -444,6 +458,8 @@ class Pipeline(FactsMixin):
         """Remove the hooks and stop the workers, always; a step in flight is dropped."""
         record, self._record = self._record, None
         self._jobs, self._pieces = {}, {}
+        for lane in self.lanes.values():
+            lane.drop_gathered()
         self._finalizer()
         interception.unregister(self)
         for lane in self.lanes.values():

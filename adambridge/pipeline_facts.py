@@ -108,6 +108,8 @@ class FactsMixin:
         opt = self.opt
         grad_scale = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
+        if grad_scale is None and found_inf is None and opt.max_grad_norm is None:
+            return  # no fact to apply (issue 13: not even the sort below, per gradient)
         # Index order, as sync's clip_grad_norm_ sees the parameters: the total norm sums
         # the per-tensor norms in that order, so any other order changes its last bits.
         jobs = sorted(record.jobs.values(), key=lambda job: job.index)

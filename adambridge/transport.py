@@ -69,6 +69,10 @@ class HostTransport:
     gradients of the parameters given to ``stage`` are copied into a buffer of their own.
     """
 
+    # NOTE: issue 13. The worker is woken once per this many gradient elements (worker.py,
+    # Lane.submit): every copy has landed at once, so waiting costs no overlap but the tail.
+    gather_numel = 1 << 16
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._out: dict[torch.Tensor, torch.Tensor] = {}
@@ -90,7 +94,9 @@ class HostTransport:
                      with_values: bool) -> tuple[torch.Tensor, list]:
         staged = self._staged.get(id(p))
         if staged is not None:
-            staged[1].copy_(grad.detach())  # the same values in the same (logical) order
+            # the same values in the same (logical) order; detached only if it needs it
+            # (create_graph=True), as a detach is one more tensor object per gradient
+            staged[1].copy_(grad.detach() if grad.requires_grad else grad)
             return staged[0], [_LANDED] * len(ranges)
         return _flat(grad.detach()), [_LANDED] * len(ranges)  # one shared ticket: no state
 

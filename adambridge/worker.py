@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import rank_pool, step_facts, topology
+from . import piece_rows, rank_pool, step_facts, topology
 from .functional import adamw_update
+from .slots import copy_many
 
 _log = logging.getLogger("adambridge")
 _POLL_S = 0.1       # how often a waiting thread checks that the thread it waits on lives
@@ -105,7 +106,7 @@ class Job:
     index: int
     group: dict
     state: Optional[dict]           # None until this update creates it
-    step: int
+    step: int                       # the step this update makes; 0 until read_steps
     grad: torch.Tensor              # flat host gradient (kept until the step finishes)
     out: Optional[torch.Tensor]     # flat host copy of the new weights (None: into p/master)
     source: Optional[torch.Tensor]  # p's values, when this update creates the master
@@ -138,8 +139,10 @@ class Job:
         must not keep the host gradients alive, nor the optimizer that owns the pipeline)."""
         self.opt = self.grad = self.out = self.source = self.state = None
         self.transport = self.grad_before = None
-        self.updated_ranges.clear()
-        self.saved_moments.clear()
+        if self.updated_ranges:  # (empty unless this step updated speculatively)
+            self.updated_ranges.clear()
+        if self.saved_moments:
+            self.saved_moments.clear()
 
 
 @dataclass(eq=False)
@@ -161,6 +164,7 @@ class Piece:
     writeback: WriteBack
     record: Optional[StepRecord]
     span: tuple = ()  # (start, end), made once: a speculative update records it, allocating nothing
+    row: Any = None   # piece_rows.PieceRow: its packed descriptor, kept between steps
 
     def __post_init__(self) -> None:
         self.span = (self.start, self.end)
@@ -190,6 +194,11 @@ class Lane:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Piece] = []
         self._deferred: list[WriteBack] = []
+        # NOTE: issue 13. Pieces gathered by submit() until they are worth a wake-up.
+        self.gather_numel = getattr(transport, "gather_numel", 0)
+        self._gathered: list[Piece] = []
+        self._gathered_numel = 0
+        self._gather_lock = threading.Lock()
         self.thread = self._start_thread()
 
     def _start_thread(self) -> threading.Thread:
@@ -205,12 +214,43 @@ class Lane:
         _discard(self.queue)  # what the dead thread left holds the step's jobs alive
         self.queue = queue.SimpleQueue()
         self._held, self._deferred = [], []
+        self.drop_gathered()
         self.thread = self._start_thread()
         return True
 
+    def submit(self, piece: Piece) -> None:
+        """Queue a piece whose copy to the host has started (any thread).
+
+        A transport with ``gather_numel`` (the host one: its copies have always landed) has
+        its pieces gathered until they add up to that many elements, then queued as one
+        list: on the CPU a wake-up of the worker per small gradient cost more than the
+        update, mostly in the two threads taking turns at the GIL. ``call`` queues what is
+        gathered first, so a Call still runs after every piece submitted before it.
+        """
+        if self.gather_numel <= 0:
+            self.queue.put(piece)
+            return
+        with self._gather_lock:
+            self._gathered.append(piece)
+            self._gathered_numel += piece.end - piece.start
+            if self._gathered_numel >= self.gather_numel:
+                self._send_gathered_locked()
+
+    def _send_gathered_locked(self) -> None:
+        if self._gathered:
+            self.queue.put(self._gathered)
+            self._gathered, self._gathered_numel = [], 0
+
+    def drop_gathered(self) -> None:
+        """Forget the gathered pieces of a step that will not finish."""
+        with self._gather_lock:
+            self._gathered, self._gathered_numel = [], 0
+
     def call(self, fn: Callable[[], Any]) -> Call:
         unit = Call(fn)
-        self.queue.put(unit)
+        with self._gather_lock:  # the pieces gathered so far go first
+            self._send_gathered_locked()
+            self.queue.put(unit)
         return unit
 
     def wait(self, unit: Call, timeout_s: Optional[float] = None) -> None:
@@ -241,22 +281,35 @@ class Lane:
                 unit.error = exc
             unit.done.set()
             return None
-        unit.ticket.wait()
-        batch, carry = [unit], None
-        while carry is None:
-            try:
-                nxt = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(nxt, Piece) and nxt.record is unit.record and nxt.ticket.ready():
-                batch.append(nxt)
-            else:
-                carry = nxt
+        batch, carry = self._landed(unit if isinstance(unit, list) else [unit])
         if self._must_hold(batch):
             self._held.extend(batch)
         else:
             self.run(batch, speculative=True)
         return carry
+
+    def _landed(self, pieces: list[Piece]) -> tuple[list[Piece], Any]:
+        """(the first piece and every later one of its step whose copy has landed, the unit
+        taken too early); ``pieces`` is a unit (one piece or a gathered list)."""
+        pieces[0].ticket.wait()
+        record = pieces[0].record
+        batch: list[Piece] = []
+        while True:
+            for i, piece in enumerate(pieces):
+                landed = not batch or piece.ticket.ready()  # the first one was waited for
+                if piece.record is not record or not landed:
+                    return batch, pieces[i:]  # copies land in order: the rest wait too
+                batch.append(piece)
+            try:
+                nxt = self.queue.get_nowait()
+            except queue.Empty:
+                return batch, None
+            if isinstance(nxt, Piece):
+                pieces = [nxt]
+            elif isinstance(nxt, list):
+                pieces = nxt
+            else:
+                return batch, nxt
 
     def _must_hold(self, batch: list[Piece]) -> bool:
         record = batch[0].record
@@ -280,26 +333,37 @@ class Lane:
         if record.failed:
             return
         try:
+            read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
-            items = [self._item(piece) for piece in batch]
-            if speculative and record.clip_watch is not None:
-                _keep_moments(batch, items)
-            began = time.perf_counter()
-            if items:
-                adamw_update(items, self.backend)
-            elapsed = time.perf_counter() - began
+            elapsed = self._update(batch, speculative and record.clip_watch is not None)
             with record.lock:
                 record.host_update_s += elapsed
-                record.num_batches += bool(items)
-            for piece in batch:
-                if speculative:
+                record.num_batches += bool(batch)
+            if speculative:
+                for piece in batch:
                     piece.job.updated_ranges.append(piece.span)
-                self._done(piece)
             for piece in streamed:
                 piece.job.streamed = speculative
-                self._done(piece)
+            self._done(record, batch)
+            self._done(record, streamed)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
+
+    def _update(self, batch: list[Piece], keep_moments: bool) -> float:
+        """One adamw_update over the batch; returns the seconds the update itself took."""
+        if not batch:
+            return 0.0
+        if self.backend == "native" and not keep_moments:
+            desc = piece_rows.pack(batch, self._item)  # kept rows, refreshed (issue 13)
+            began = time.perf_counter()
+            piece_rows.run(desc)
+            return time.perf_counter() - began
+        items = [self._item(piece) for piece in batch]
+        if keep_moments:
+            _keep_moments(batch, items)
+        began = time.perf_counter()
+        adamw_update(items, self.backend)
+        return time.perf_counter() - began
 
     def _route(self, batch: list[Piece], record: StepRecord,
                speculative: bool) -> tuple[list[Piece], list[Piece]]:
@@ -325,20 +389,28 @@ class Lane:
         return job.opt.range_item(job.p, job.group, job.state, job.step,
                                   job.grad[piece.start:piece.end], out, piece.start)
 
-    def _done(self, piece: Piece) -> None:
-        writeback = piece.writeback
-        writeback.left -= 1
-        if writeback.left == 0:
-            if self.overlap_writeback:
-                writeback.send()
-            else:
-                self._deferred.append(writeback)
-        job = piece.job
-        job.pieces_left -= 1
-        if job.pieces_left == 0:
-            job.state["step"].fill_(job.step)
-            with piece.record.lock:
-                piece.record.updated.append(job.index)
+    def _done(self, record: StepRecord, pieces: list[Piece]) -> None:
+        """Send back each copy whose pieces are all updated; commit each finished job's step
+        (``record.updated`` takes them at once, even if a copy back raises midway)."""
+        finished: list[Job] = []
+        try:
+            for piece in pieces:
+                writeback = piece.writeback
+                writeback.left -= 1
+                if writeback.left == 0:
+                    if self.overlap_writeback:
+                        writeback.send()
+                    else:
+                        self._deferred.append(writeback)
+                job = piece.job
+                job.pieces_left -= 1
+                if job.pieces_left == 0:
+                    finished.append(job)
+        finally:
+            if finished:
+                _commit_steps(finished)
+                with record.lock:
+                    record.updated.extend(job.index for job in finished)
 
     def drop(self) -> None:
         """Forget the held pieces and deferred copies of a step that will not finish."""
@@ -374,6 +446,37 @@ def _discard(units: queue.SimpleQueue) -> None:
             return
 
 
+def read_steps(pieces: list[Piece]) -> None:
+    """Set job.step (state["step"] + 1, or 1 for a first update) where it is still 0.
+
+    NOTE: issue 13: read in one torch call per batch; an ``item()`` in every hook was a
+    torch call per gradient on the autograd thread (each one lets the GIL go)."""
+    unread = [piece.job for piece in pieces if piece.job.step == 0]
+    if not unread:
+        return
+    counted = [job for job in unread if job.state]
+    if counted:
+        values = torch.stack([job.state["step"] for job in counted]).tolist()
+        for job, value in zip(counted, values):
+            job.step = int(value) + 1
+    for job in unread:
+        if job.step == 0:  # no state yet: this update makes it
+            job.step = 1
+
+
+def _commit_steps(jobs: list[Job]) -> None:
+    """state["step"] = job.step for each job, as one multi-tensor copy per step value.
+
+    NOTE: issue 13: a fill_ per parameter was a torch call per gradient on the worker, and
+    each such call lets the GIL go to the autograd thread and back."""
+    by_step: dict[int, list] = {}
+    for job in jobs:
+        by_step.setdefault(job.step, []).append(job.state["step"])
+    for step, counters in by_step.items():
+        value = torch.tensor(float(step))  # float32, as fill_(step) rounds an int
+        copy_many(counters, [value] * len(counters))
+
+
 def _keep_moments(batch: list[Piece], items: list) -> None:
     # Clipping may fire after this speculative update: step_facts.redo needs the moments.
     for piece, item in zip(batch, items):
@@ -403,8 +506,9 @@ def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[
         try:
             carry = lane.handle(unit)
         except BaseException as exc:  # noqa: BLE001 - e.g. a failed copy: finish raises it
-            if isinstance(unit, Piece):
-                unit.record.fail(exc, f"the copy to the host for {lane.transport.device}")
+            if isinstance(unit, (Piece, list)):
+                first = unit if isinstance(unit, Piece) else unit[0]
+                first.record.fail(exc, f"the copy to the host for {lane.transport.device}")
             else:
                 _log.exception("adambridge worker: unexpected error")
         del lane, unit

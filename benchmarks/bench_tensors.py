@@ -232,3 +232,6 @@ def pipeline_main(count: int, repeats: int) -> None:
     for name, seconds in medians.items():
         over = (seconds - base) / grads * 1e6
         print(f"{name:44s} {seconds * 1e3:9.2f} {grads / seconds:10.0f} {over:19.2f}")
+    stats = chains["forward + backward with hooks + step_sync()"].opt.last_step_stats
+    print(f"hooks: the last step made {stats.num_batches} native calls for {stats.num_params} "
+          f"gradients ({stats.num_params / max(1, stats.num_batches):.0f} rows a call)")

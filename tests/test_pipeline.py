@@ -177,6 +177,8 @@ class ManualTransport(HostTransport):
     No test of the schedule depends on timing: copies land when told, and ``events``
     records the order of landings, updates and copies back."""
 
+    gather_numel = 0  # its copies land later, as a GPU's do: each piece is queued at once
+
     def __init__(self, device, events: list) -> None:
         super().__init__(device)
         self.made, self.landed, self.events = 0, 0, events
@@ -628,4 +630,82 @@ def test_release_grads_changed_after_attach_fails_the_step_with_nothing_changed(
     with pytest.raises(ValueError, match="release_grads changed to False after attach_hooks"):
         opt.step_sync()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.detach_hooks()
+
+
+# -- issue 13: host pieces are gathered before the worker is woken
+
+
+def test_lane_gathers_host_pieces_until_gather_numel_and_a_call_flushes_the_rest():
+    transport = HostTransport(torch.device("cpu"))
+    transport.gather_numel = 100
+    lane = worker.Lane(transport, backend="torch", overlap_writeback=True)
+    record = worker.StepRecord(held=True)  # the worker only holds what it takes: no job needed
+
+    def piece(numel):
+        return worker.Piece(None, 0, numel, transport.grad_to_host(
+            None, torch.zeros(numel), [(0, numel)], False)[1][0], None, record)
+
+    first = [piece(40), piece(40)]
+    for p in first:
+        lane.submit(p)
+    assert lane._gathered == first and lane.queue.empty()  # 80 < 100: nothing queued yet
+    third = piece(40)
+    lane.submit(third)  # 120 >= 100: the three go as one unit
+    assert lane._gathered == []
+    fourth = piece(8)
+    lane.submit(fourth)
+    lane.wait(lane.call(lambda: None), timeout_s=10)  # the call sends the fourth first
+    assert lane._held == first + [third, fourth]
+    lane.stop()
+
+
+def test_host_pieces_of_a_small_model_take_one_native_call_per_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(12)))  # 3,264 elements in all
+    opt = AdamBridge(model.parameters(), lr=1e-3, small_param_threshold=0)
+    opt.attach_hooks(model)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        stats = opt.step_sync()
+    assert stats.num_params == 24 and stats.num_batches == 1, stats
+    opt.detach_hooks()
+
+
+def test_host_pieces_past_gather_numel_wake_the_worker_during_backward(monkeypatch):
+    monkeypatch.setattr(HostTransport, "gather_numel", 200)
+    sent, real_send = [], worker.Lane._send_gathered_locked
+
+    def recording_send(self):
+        sent.append(len(self._gathered))
+        real_send(self)
+
+    monkeypatch.setattr(worker.Lane, "_send_gathered_locked", recording_send)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))  # a 256-element weight each
+    opt = AdamBridge(layers.parameters(), lr=1e-3, small_param_threshold=0)
+    opt.attach_hooks(layers)
+    sent_in_backward = []
+
+    class Watch(torch.autograd.Function):  # its backward runs after every layer's hooks
+        @staticmethod
+        def forward(ctx, h):
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, grad):
+            sent_in_backward.append([n for n in sent if n])
+            return grad
+
+    x = torch.randn(4, 16, requires_grad=True)  # so that Watch has a backward
+    for _ in range(2):  # the first step is held; watch the second
+        sent.clear(), sent_in_backward.clear()
+        h = Watch.apply(x)
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        h.sum().backward()
+        opt.step_sync()
+    # every 256-element weight sends what was gathered (a bias waits for the next weight)
+    assert len(sent_in_backward[0]) == 6, sent_in_backward
     opt.detach_hooks()

@@ -519,14 +519,15 @@ def _vm_flags(address: int) -> list:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
 def test_page_buffers_are_private_aligned_and_advised_huge():
-    # A record's physically contiguous runs become its DMA segments: a buffer of a huge page
+    # A record's physically contiguous runs become its DMA segments: a buffer of 256 KiB
     # or more starts on a 2 MiB boundary in private memory advised for huge pages ('hg'),
     # not MAP_SHARED shmem ('sh'), which transparent huge pages leave out.
-    big = nvme_io.AlignedBuffer(3 << 20)
-    address = big.tensor.data_ptr()
-    assert address % (2 << 20) == 0 and big.tensor.numel() == len(big.memory) == 3 << 20
-    flags = _vm_flags(address)
-    assert "hg" in flags and "sh" not in flags
+    for nbytes in (3 << 20, 1552 << 10):  # fp32 and fp8 records of the default page size
+        big = nvme_io.AlignedBuffer(nbytes)
+        address = big.tensor.data_ptr()
+        assert address % (2 << 20) == 0 and big.tensor.numel() == len(big.memory) == nbytes
+        flags = _vm_flags(address)
+        assert "hg" in flags and "sh" not in flags
     small = nvme_io.AlignedBuffer(5000)
     assert small.tensor.data_ptr() % nvme_io.ALIGN == 0 and small.nbytes == 8192
     assert "sh" not in _vm_flags(small.tensor.data_ptr())

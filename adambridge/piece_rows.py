@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import struct
 import weakref
-from operator import call, is_
+from itertools import repeat
+from operator import call, is_, is_not
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,7 +42,7 @@ _DTYPE_CODES = {torch.float32: (0, 4), torch.bfloat16: (1, 2), torch.float16: (2
 class PieceRow:
     """One piece's packed row and the facts it holds for (see the module docstring)."""
 
-    __slots__ = ("row", "keys", "refs", "p_pointer", "rounding", "out_code")
+    __slots__ = ("row", "keys", "refs", "pointers", "p_pointer", "rounding", "out_code")
 
     def __init__(self, row: bytearray, state: dict, p: torch.Tensor, rounding: bool) -> None:
         self.row = row
@@ -49,6 +50,8 @@ class PieceRow:
         # change of precision replaces the moments, which are always checked).
         self.keys = _STATE_KEYS if state.get("exp_avg_scale") is not None else _STATE_KEYS[:3]
         self.refs = tuple(weakref.ref(state[k]) for k in self.keys)
+        # and their addresses: the same tensor can be given new storage (t.data = ...)
+        self.pointers = tuple(state[k].data_ptr() for k in self.keys)
         self.p_pointer = p.data_ptr()
         self.rounding = rounding
         self.out_code = _CODE.unpack_from(row, _OUT_CODE)[0]
@@ -56,9 +59,13 @@ class PieceRow:
     def holds(self, state: dict, p: torch.Tensor, rounding: bool,
               out: Optional[torch.Tensor]) -> bool:
         """Whether the fixed part of the row still describes p's state and p."""
-        return (self.p_pointer == p.data_ptr() and self.rounding == rounding
-                and (out is None) == (self.out_code == loader.AB_NONE)
-                and all(map(is_, map(call, self.refs), map(state.get, self.keys))))
+        if not (self.p_pointer == p.data_ptr() and self.rounding == rounding
+                and (out is None) == (self.out_code == loader.AB_NONE)):
+            return False
+        tensors = tuple(map(state.get, self.keys))
+        return (all(map(is_not, tensors, repeat(None)))  # (a dead ref is None too)
+                and all(map(is_, map(call, self.refs), tensors))
+                and tuple(map(torch.Tensor.data_ptr, tensors)) == self.pointers)
 
 
 def _checked_pointer(t: torch.Tensor, n: int, name: str) -> tuple[int, int]:

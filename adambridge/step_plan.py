@@ -44,6 +44,7 @@ _SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 # What the plan reads from a state dict, in one lookup per dict (raises KeyError if one went).
 _state_refs = itemgetter("step", *_MOMENTS)
 _scale_refs = itemgetter(*_SCALES)
+_moment_refs = itemgetter(*_MOMENTS)
 
 
 def _same(a: Sequence, b: Sequence) -> bool:
@@ -106,8 +107,12 @@ class StepPlan:
         self.ptrs = list(map(_data_ptr, self.params))
         self.facts = list(map(_facts, self.params))
         self.state_refs = list(chain.from_iterable(map(_state_refs, self.states)))
+        # (not the step counters: views of self.steps, which the plan writes itself)
+        self.moment_refs = list(chain.from_iterable(map(_moment_refs, self.states)))
+        self.state_ptrs = list(map(_data_ptr, self.moment_refs))
         self.fp8 = [state for state in self.states if _SCALES[0] in state]
         self.scale_refs = list(chain.from_iterable(map(_scale_refs, self.fp8)))
+        self.scale_ptrs = list(map(_data_ptr, self.scale_refs))
         # Parameters that are not their own master: a write by anyone else must reach the
         # master, which the full path does (ParamOwner.ensure_state), so a changed version
         # sends the step there.
@@ -183,12 +188,17 @@ class StepPlan:
                 and _same(list(self.state.values()), self.state_values)):
             return False
         try:
-            return (all(map(is_, chain.from_iterable(map(_state_refs, self.states)),
+            same = (all(map(is_, chain.from_iterable(map(_state_refs, self.states)),
                             self.state_refs))
                     and all(map(is_, chain.from_iterable(map(_scale_refs, self.fp8)),
                                 self.scale_refs)))
         except KeyError:
             return False  # an entry was deleted: the full path says which
+        # The same tensors may hold new storage (t.data = ...; no version bump): the rows
+        # hold addresses, so a moved one must rebuild the plan, or the kernel writes where
+        # the old storage was (freed memory, if nothing else holds it).
+        return (same and all(map(eq, map(_data_ptr, self.moment_refs), self.state_ptrs))
+                and all(map(eq, map(_data_ptr, self.scale_refs), self.scale_ptrs)))
 
     def _same_grads(self) -> bool:
         """The plan's gradient objects still have the storage, shape, dtype and contiguity

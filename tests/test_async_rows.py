@@ -57,6 +57,17 @@ def _new_storage(opt, model) -> None:
             p.data = p.data.clone()
 
 
+_OLD_STORAGE = []  # kept alive: a row still holding an old address writes there, not into freed memory
+
+
+def _moment_storage(opt, model) -> None:
+    # the same state tensors, new storage behind them (t.data = ...): only pointers tell
+    for state in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            _OLD_STORAGE.append(state[key].data)
+            state[key].data = torch.full_like(state[key], 0.25 if key == "exp_avg" else 0.5)
+
+
 def _rounding(opt, model) -> None:
     opt.stochastic_rounding = not opt.stochastic_rounding
 
@@ -66,6 +77,7 @@ EVENTS = [
     dict(desc="load_state_dict: new state tensors", event=_load),
     dict(desc="state tensors replaced, groups kept", event=_new_moments),
     dict(desc="p.data replaced: new parameter storage", event=_new_storage),
+    dict(desc="moments given new storage behind the same tensors", event=_moment_storage),
     dict(desc="stochastic_rounding toggled", event=_rounding),
 ]
 CONFIGS = [
@@ -115,8 +127,14 @@ def test_kept_rows_equal_the_sync_step_across_changes(config, case):
         if step == 3:
             for model, opt in zip(models, opts):
                 case["event"](opt, model)
+            before = [copy.deepcopy(opt.state_dict()["state"]) for opt in opts]
         _step(models, opts, x)
         _assert_same(models, opts, f"step {step + 1}, {case['desc']}")
+        if step == 3:  # both paths could miss a change alike: the moments must have moved
+            for opt, old in zip(opts, before):
+                for i, state in opt.state_dict()["state"].items():
+                    assert not torch.equal(state["exp_avg"], old[i]["exp_avg"]), (
+                        f"{case['desc']}: parameter {i}'s exp_avg did not move")
     opts[1].detach_hooks()
 
 

@@ -138,12 +138,25 @@ def _fill_step(opt, p):
     opt.state[p]["step"].fill_(40.0)
 
 
+_OLD_STORAGE = []  # kept alive: a row still holding an old address writes there, not into freed memory
+
+
+def _moment_storage_replaced(opt, p):
+    # The same tensor objects with new storage behind them (t.data = ...): neither their
+    # identity nor their autograd version tells; only the data pointer does.
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = opt.state[p][key]
+        _OLD_STORAGE.append(moment.data)
+        moment.data = torch.full_like(moment, 0.25 if key == "exp_avg" else 0.5)
+
+
 CHANGES = [
     dict(desc="a state tensor replaced", change=_change_exp_avg),
     dict(desc="a parameter's storage replaced (p.data = ...)", change=_replace_data),
     dict(desc="a state dict replaced by a copy", change=_replace_state),
     dict(desc="the same gradient object given new storage", change=_same_grad_new_storage),
     dict(desc="a step counter written in place", change=_fill_step),
+    dict(desc="moments given new storage behind the same tensors", change=_moment_storage_replaced),
 ]
 
 

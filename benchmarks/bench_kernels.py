@@ -186,13 +186,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     numel = parse_numel(args.numel)
     threads = args.threads or torch.get_num_threads()
+    loader.set_num_threads(threads)  # before either bench: both print this count
+    torch.set_num_threads(threads)
     if args.tensors > 1:
         import bench_tensors
         bench_tensors.main(numel, args.tensors, threads, args.repeats)
         return
     precisions = ("fp32", "bf16", "fp8")
-    loader.set_num_threads(threads)
-    torch.set_num_threads(threads)
     validate(precisions)
     buffers = make_buffers(numel, precisions)
     scratch = make_buffers(numel, precisions)          # the same layout, for the floor to scramble

@@ -126,13 +126,26 @@ class ParamOwner:
         beta1, beta2 = group["betas"]
         hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"], step=step)
-        if can_alias_master(p) and not _views(state.get("master"), p):
-            state["master"] = p.detach().view(-1)  # p may have a new storage (p.data = ...)
+        if can_alias_master(p):
+            if not _views(state.get("master"), p):
+                state["master"] = p.detach().view(-1)  # p may have new storage (p.data = ...)
+        elif _stale_alias(state.get("master"), p):
+            # p.data = p.data.t(): the same storage, so no write is seen, but the master that
+            # viewed it reads in the old order. It becomes a copy of p's values as they read
+            # now (torch's AdamW, whose p is its master, sees those); sync and async alike.
+            state["master"] = p.detach().reshape(-1).clone()
         return host_state.range_item(state, grad=grad, out=out, start=start,
                                      key=stream_key(self.seed, step, self._param_index[p]),
                                      hyper=hyper, stochastic_rounding=self.stochastic_rounding)
 
     _range_item = range_item  # the name pipeline code of before the seams used
+
+
+def _stale_alias(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """Whether ``master`` views p's storage while p is no longer its own master (p was
+    given a non-contiguous layout of the same storage)."""
+    return (master is not None and not p.is_contiguous() and p.dtype == torch.float32
+            and p.is_cpu and master.data_ptr() == p.data_ptr())
 
 
 def _views(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:

@@ -248,3 +248,38 @@ def test_backend_attribute_names_the_implementation(backend):
     else:
         assert opt.backend.startswith("native/")
     assert opt.precision == "fp32"
+
+
+@pytest.mark.parametrize("mode", ["sync torch backend", "sync native", "async native"])
+def test_parameter_transposed_in_place_of_its_storage_steps_as_torch(mode):
+    # p.data = p.data.t() on a square fp32 parameter keeps its storage, so the master that
+    # was a view of it (fp32 contiguous parameters are their own master) would read in the
+    # old order; it must become a copy of p's values as they read now, as torch's AdamW
+    # (whose p is its master) sees them. The moments keep their order in both. (Async
+    # mode, before the fix, went on silently in the old order: 2e-2 off torch.)
+    gen = torch.Generator().manual_seed(3)
+    models = [torch.nn.Linear(6, 6, bias=False) for _ in range(2)]
+    start = torch.randn(6, 6, generator=gen)
+    for model in models:
+        model.weight.data = start.clone()
+    ours, ref = models
+    opt = AdamBridge(ours.parameters(), lr=1e-2, precision="fp32", small_param_threshold=0,
+                     backend="torch" if "torch" in mode else "native")
+    if mode.startswith("async"):
+        opt.attach_hooks(ours)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 6, generator=gen)
+    for step in range(4):
+        if step == 2:
+            for model in models:
+                model.weight.data = model.weight.data.t()
+        for model in models:
+            model(x).square().sum().backward()
+        opt.step_sync() if mode.startswith("async") else opt.step()
+        torch_opt.step()
+        for o in (opt, torch_opt):
+            o.zero_grad(set_to_none=True)
+        torch.testing.assert_close(ours.weight.detach(), ref.weight.detach(), rtol=RTOL,
+                                   atol=ATOL, msg=f"{mode}, step {step + 1}")
+    if mode.startswith("async"):
+        opt.detach_hooks()

@@ -51,7 +51,8 @@ from . import _validation as check
 from . import cuda_policy, interception
 from .stats import StepStats
 from .transport import make_transport
-from .worker import _STOP, Job, Lane, Piece, StepRecord, WriteBack, chunk_ranges, worker_cpus
+from .work_items import Job, Piece, StepRecord, WriteBack
+from .worker import _STOP, Lane, chunk_ranges, worker_cpus
 from .pipeline_facts import FactsMixin
 
 _log = logging.getLogger("adambridge")

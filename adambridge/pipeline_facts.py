@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from . import step_facts
-from .worker import Job, StepRecord
+from .work_items import Job, StepRecord
 
 _log = logging.getLogger("adambridge")
 

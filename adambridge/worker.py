@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from . import piece_rows, rank_pool, step_facts, topology
 from .functional import adamw_update
 from .slots import copy_many
+from .work_items import Call, Job, Piece, StepRecord, WriteBack
 
 _log = logging.getLogger("adambridge")
 _POLL_S = 0.1       # how often a waiting thread checks that the thread it waits on lives
@@ -53,130 +53,6 @@ def _pin_current_thread(cpus: tuple[int, ...]) -> None:
             os.sched_setaffinity(0, cpus)
         except OSError as exc:
             _log.warning("could not pin the adambridge worker to CPUs %s: %s", cpus, exc)
-
-
-# --------------------------------------------------------------------------- work items
-
-
-class StepRecord:
-    """What one step has done so far, shared by the hooks, the workers and finish.
-
-    Nothing in it points back at the record (no Job -> record edge), so a finished step is
-    freed by reference counting alone, with its gradients, even with the cyclic GC off.
-    """
-
-    def __init__(self, held: bool, clip_watch: Optional[float] = None) -> None:
-        self.lock = threading.Lock()
-        self.held = held            # update nothing before finish (first or GradScaler step)
-        self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
-        self.clip_watch = clip_watch  # expected max_norm: hold once the landed norm passes it
-        self.landed_sq = 0.0        # squared 2-norm of the gradients watched so far
-        self.began = time.perf_counter()
-        self.jobs: dict[torch.Tensor, "Job"] = {}
-        self.errors: list[tuple[BaseException, str]] = []
-        self.updated: list[int] = []
-        self.host_update_s = 0.0
-        self.num_batches = 0
-        self.grad_norm: Optional[float] = None
-        self.skip = False           # GradScaler found inf/NaN: the step is not applied
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.errors)
-
-    def holds(self) -> bool:
-        return self.held or self.hold_rest
-
-    def fail(self, exc: BaseException, where: str = "") -> None:
-        with self.lock:
-            self.errors.append((exc, where))
-
-
-@dataclass(eq=False)
-class Job:
-    """One parameter's update in this step; ``pieces_left`` chunks still to update.
-
-    The pipeline keeps one Job per parameter and reuses it every step (``begin``/``end``):
-    a new Job, its lists and its pieces per gradient kept ~6 GC-tracked objects alive per
-    gradient until step_sync, enough to trigger a full collection every few steps.
-    """
-
-    opt: Any
-    p: torch.Tensor
-    index: int
-    group: dict
-    state: Optional[dict]           # None until this update creates it
-    step: int                       # the step this update makes; 0 until read_steps
-    grad: torch.Tensor              # flat host gradient (kept until the step finishes)
-    out: Optional[torch.Tensor]     # flat host copy of the new weights (None: into p/master)
-    source: Optional[torch.Tensor]  # p's values, when this update creates the master
-    pieces_left: int
-    transport: Any = None
-    # [start, end) ranges updated before the step's facts were known (speculatively)
-    updated_ranges: list = field(default_factory=list)
-    grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
-    saved_moments: dict = field(default_factory=dict)  # range -> moments before the update
-    streamed: bool = False  # committed by the NVMe tier before the step's facts were known
-
-    @property
-    def speculative(self) -> bool:
-        return bool(self.updated_ranges) or self.streamed
-
-    def begin(self, opt: Any, index: int, group: dict, state: Optional[dict], step: int,
-              grad: torch.Tensor, out: Optional[torch.Tensor], source: Optional[torch.Tensor],
-              pieces: int, transport: Any) -> None:
-        """Take this job into a new step: every per-step field is set as a new Job has it."""
-        self.opt, self.index, self.group, self.state, self.step = opt, index, group, state, step
-        self.grad, self.out, self.source = grad, out, source
-        self.pieces_left, self.transport = pieces, transport
-        self.updated_ranges.clear()
-        self.grad_before = None
-        self.saved_moments.clear()
-        self.streamed = False
-
-    def end(self) -> None:
-        """The step is finished: let go of its gradients, state and optimizer (a reused job
-        must not keep the host gradients alive, nor the optimizer that owns the pipeline)."""
-        self.opt = self.grad = self.out = self.source = self.state = None
-        self.transport = self.grad_before = None
-        if self.updated_ranges:  # (empty unless this step updated speculatively)
-            self.updated_ranges.clear()
-        if self.saved_moments:
-            self.saved_moments.clear()
-
-
-@dataclass(eq=False)
-class WriteBack:
-    """One copy back to the device, sent once its ``left`` pieces are updated."""
-
-    send: Callable[[], None]
-    left: int
-
-
-@dataclass(eq=False)
-class Piece:
-    """One chunk of a job; hooked parameters reuse theirs (and its WriteBack) every step."""
-
-    job: Job
-    start: int
-    end: int
-    ticket: Any
-    writeback: WriteBack
-    record: Optional[StepRecord]
-    span: tuple = ()  # (start, end), made once: a speculative update records it, allocating nothing
-    row: Any = None   # piece_rows.PieceRow: its packed descriptor, kept between steps
-
-    def __post_init__(self) -> None:
-        self.span = (self.start, self.end)
-
-
-@dataclass(eq=False)
-class Call:
-    """Run ``fn`` on the worker thread; the caller waits on ``done``."""
-
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: Optional[BaseException] = None
 
 
 # --------------------------------------------------------------------------- the worker

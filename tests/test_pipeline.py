@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge, StepStats
-from adambridge import pipeline, worker
+from adambridge import pipeline, work_items, worker
 from adambridge.transport import HostTransport
 
 RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3
@@ -640,10 +640,10 @@ def test_lane_gathers_host_pieces_until_gather_numel_and_a_call_flushes_the_rest
     transport = HostTransport(torch.device("cpu"))
     transport.gather_numel = 100
     lane = worker.Lane(transport, backend="torch", overlap_writeback=True)
-    record = worker.StepRecord(held=True)  # the worker only holds what it takes: no job needed
+    record = work_items.StepRecord(held=True)  # the worker only holds what it takes: no job needed
 
     def piece(numel):
-        return worker.Piece(None, 0, numel, transport.grad_to_host(
+        return work_items.Piece(None, 0, numel, transport.grad_to_host(
             None, torch.zeros(numel), [(0, numel)], False)[1][0], None, record)
 
     first = [piece(40), piece(40)]

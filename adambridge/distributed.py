@@ -234,9 +234,7 @@ def _local_grad(p: torch.Tensor, index: int) -> torch.Tensor:
 def _item(opt: Any, p: torch.Tensor, group: dict, state: dict, step: int,
           grad: torch.Tensor, out: Optional[torch.Tensor], offset: int) -> Any:
     """The shard's UpdateItem: state-local views, rounding bits keyed by the global offset."""
-    beta1, beta2 = group["betas"]
-    hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=step)
+    hyper = Hyper.for_group(group, step)
     item = host_state.range_item(state, grad=grad, out=out, start=0,
                                  key=stream_key(opt.seed, step, opt.index(p)), hyper=hyper,
                                  stochastic_rounding=opt.stochastic_rounding)

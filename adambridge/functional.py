@@ -46,6 +46,13 @@ class Hyper:
         """The scalars of one step (cached: every parameter of a group shares them)."""
         return _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step)
 
+    @classmethod
+    def for_group(cls, group: dict, step: int) -> "Hyper":
+        """The scalars of ``step`` for a param_groups entry (lr, betas, eps, weight_decay)."""
+        beta1, beta2 = group["betas"]
+        return _hyper_for_step(cls, float(group["lr"]), beta1, beta2, group["eps"],
+                               group["weight_decay"], step)
+
 
 @lru_cache(maxsize=256)
 def _hyper_for_step(cls, lr, beta1, beta2, eps, weight_decay, step) -> Hyper:

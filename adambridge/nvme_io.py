@@ -10,7 +10,6 @@ with one warning per directory.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
+from .state import HUGE_PAGE, advise_huge_pages
 
 ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to the block size
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -38,7 +39,6 @@ def align_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-_HUGE_PAGE = 2 << 20
 _HUGE_BUFFER = 256 << 10  # smaller buffers (tests' tiny pages) stay on plain pages
 
 
@@ -54,12 +54,13 @@ def _huge_page_map(nbytes: int) -> tuple[mmap.mmap, int]:
     ordinary 4 KiB pages: slower, the same bytes. (``mmap.mmap(-1, n)`` alone would be
     MAP_SHARED shmem, which transparent huge pages leave out.)"""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if nbytes < _HUGE_BUFFER or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < _HUGE_BUFFER:
         return mmap.mmap(-1, nbytes, flags=flags), 0
-    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    whole = mmap.mmap(-1, span + _HUGE_PAGE, flags=flags)  # the slack lets it start aligned
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(whole)) % _HUGE_PAGE
-    whole.madvise(mmap.MADV_HUGEPAGE, start, span)
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    whole = mmap.mmap(-1, span + HUGE_PAGE, flags=flags)  # the slack lets it start aligned
+    memory = torch.frombuffer(whole, dtype=torch.uint8)
+    start = -memory.data_ptr() % HUGE_PAGE
+    advise_huge_pages(memory[start:start + span], min_bytes=HUGE_PAGE)
     return whole, start
 
 

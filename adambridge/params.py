@@ -123,9 +123,7 @@ class ParamOwner:
         The state is sliced (fp8 scales per 128-block; start is a multiple of 128), and the
         item's offset is ``start``, so a chunk draws the same rounding bits as the whole.
         """
-        beta1, beta2 = group["betas"]
-        hyper = Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                               weight_decay=group["weight_decay"], step=step)
+        hyper = Hyper.for_group(group, step)
         if can_alias_master(p):
             if not _views(state.get("master"), p):
                 state["master"] = p.detach().view(-1)  # p may have new storage (p.data = ...)

@@ -36,7 +36,6 @@ _POINTER = struct.Struct("=Q")
 _KEY_AND_DTYPE = struct.Struct("=Ii")
 _CODE = struct.Struct("=i")
 _HYPER_ROW = struct.Struct(f"={len(loader.HYPER_FIELDS) + 1}f")  # + the reserved float
-_DTYPE_CODES = {torch.float32: (0, 4), torch.bfloat16: (1, 2), torch.float16: (2, 2)}
 
 
 class PieceRow:
@@ -68,23 +67,6 @@ class PieceRow:
                 and tuple(map(torch.Tensor.data_ptr, tensors)) == self.pointers)
 
 
-def _checked_pointer(t: torch.Tensor, n: int, name: str) -> tuple[int, int]:
-    """(data pointer, dtype code) of t after the checks the loader makes for that column."""
-    found = _DTYPE_CODES.get(t.dtype)
-    if found is None or t.numel() != n or not t.is_cpu or not t.is_contiguous():
-        raise ValueError(f"Invalid {name}: the native kernel needs a contiguous CPU tensor of "
-                         f"{n} float32, bfloat16 or float16 elements, got {tuple(t.shape)} "
-                         f"{t.dtype} on {t.device}")
-    return t.data_ptr(), found[0]
-
-
-def hyper_of(group: dict, step: int) -> Hyper:
-    """The Hyper of ``group`` at ``step``, as ParamOwner.range_item computes it."""
-    beta1, beta2 = group["betas"]
-    return Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], step=step)
-
-
 class RowPacker:
     """Packs one batch of pieces into a descriptor buffer (one per worker call)."""
 
@@ -95,7 +77,7 @@ class RowPacker:
         key = (id(group), seed, step)  # the group is alive for the whole batch: its id is stable
         facts = self._per_step.get(key)
         if facts is None:
-            hyper = hyper_of(group, step)
+            hyper = Hyper.for_group(group, step)
             facts = self._per_step[key] = (
                 _HYPER_ROW.pack(*(getattr(hyper, f) for f in loader.HYPER_FIELDS), 0.0),
                 step_key(seed, step))
@@ -113,11 +95,11 @@ class RowPacker:
             return False
         n, row = piece.end, kept.row
         if out is not None:
-            out_pointer, out_code = _checked_pointer(out, n, "out")
+            out_pointer, out_code = loader.checked_column(out, "out", n)
             if out_code != kept.out_code:
                 return False
             _POINTER.pack_into(row, _OUT, out_pointer)
-        grad_pointer, grad_code = _checked_pointer(job.grad, n, "grad")
+        grad_pointer, grad_code = loader.checked_column(job.grad, "grad", n)
         _POINTER.pack_into(row, _GRAD, grad_pointer)
         hyper, key = self._step_facts(job.group, opt.seed, job.step)
         # stream_key(seed, step, index), with the step's part computed once per batch

@@ -35,7 +35,7 @@ MOMENT_DTYPES = {
 # Bytes per parameter of master + moments (fp8 adds two fp32 scales per 128 elements).
 HOST_BYTES_PER_PARAM = {"fp32": 12.0, "bf16": 8.0, "fp8": 6.0 + 8.0 / FP8_BLOCK}
 
-_HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # bytes of one transparent huge page (x86-64, arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = 14
 
 
@@ -49,19 +49,20 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a large buffer with transparent huge pages (before first touch).
+def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 2 * HUGE_PAGE) -> None:
+    """Ask Linux to back a large buffer with transparent huge pages (before first touch):
+    the whole huge pages inside it, if it has at least ``min_bytes``.
 
     NOTE: without huge pages the update's reads fall from ~31 to ~22 GB/s on the
     reference VM (DESIGN.md section 7); THP is often in 'madvise' mode, so we must ask.
     """
     nbytes = tensor.numel() * tensor.element_size()
     libc = _libc()
-    if libc is None or nbytes < 2 * _HUGE_PAGE:
+    if libc is None or nbytes < min_bytes:
         return
     start = tensor.data_ptr()
-    aligned = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    length = (start + nbytes - aligned) // _HUGE_PAGE * _HUGE_PAGE
+    aligned = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    length = (start + nbytes - aligned) // HUGE_PAGE * HUGE_PAGE
     if length > 0:
         libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
 

@@ -44,7 +44,6 @@ _SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 # What the plan reads from a state dict, in one lookup per dict (raises KeyError if one went).
 _state_refs = itemgetter("step", *_MOMENTS)
 _scale_refs = itemgetter(*_SCALES)
-_moment_refs = itemgetter(*_MOMENTS)
 
 
 def _same(a: Sequence, b: Sequence) -> bool:
@@ -74,12 +73,6 @@ def eligible(opt: Any, work: Sequence[tuple], backend: str) -> bool:
                for p, _, state, _ in work)
 
 
-def _hyper(group: dict, step: int) -> Hyper:
-    beta1, beta2 = group["betas"]
-    return Hyper.for_step(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], step=step)
-
-
 class StepPlan:
     """The NativeBatch of one set of parameters with a gradient and the facts it was built on.
 
@@ -107,9 +100,7 @@ class StepPlan:
         self.ptrs = list(map(_data_ptr, self.params))
         self.facts = list(map(_facts, self.params))
         self.state_refs = list(chain.from_iterable(map(_state_refs, self.states)))
-        # (not the step counters: views of self.steps, which the plan writes itself)
-        self.moment_refs = list(chain.from_iterable(map(_moment_refs, self.states)))
-        self.state_ptrs = list(map(_data_ptr, self.moment_refs))
+        self.state_ptrs = list(map(_data_ptr, self.state_refs))
         self.fp8 = [state for state in self.states if _SCALES[0] in state]
         self.scale_refs = list(chain.from_iterable(map(_scale_refs, self.fp8)))
         self.scale_ptrs = list(map(_data_ptr, self.scale_refs))
@@ -197,7 +188,7 @@ class StepPlan:
         # The same tensors may hold new storage (t.data = ...; no version bump): the rows
         # hold addresses, so a moved one must rebuild the plan, or the kernel writes where
         # the old storage was (freed memory, if nothing else holds it).
-        return (same and all(map(eq, map(_data_ptr, self.moment_refs), self.state_ptrs))
+        return (same and all(map(eq, map(_data_ptr, self.state_refs), self.state_ptrs))
                 and all(map(eq, map(_data_ptr, self.scale_refs), self.scale_ptrs)))
 
     def _same_grads(self) -> bool:
@@ -273,7 +264,7 @@ class StepPlan:
             if low == high:  # the common case: the group's parameters took the same steps
                 keys.append(stream_keys(seed, low, indices))
                 index.append(torch.full((end - start,), len(hypers), dtype=torch.int64))
-                hypers.append(_hyper(group, low))
+                hypers.append(Hyper.for_group(group, low))
                 continue
             # Parameters that joined later (or counters set by hand): one Hyper per count.
             # (torch.where, not boolean indexing, which starts a parallel region early.)
@@ -282,7 +273,7 @@ class StepPlan:
                 rows = counts == step
                 part_keys = torch.where(rows, stream_keys(seed, int(step), indices), part_keys)
                 part_index = torch.where(rows, len(hypers), part_index)
-                hypers.append(_hyper(group, int(step)))
+                hypers.append(Hyper.for_group(group, int(step)))
             keys.append(part_keys)
             index.append(part_index)
         return torch.cat(keys), hypers, (None if len(hypers) == 1 else torch.cat(index))

@@ -16,8 +16,10 @@ from torch import nn
 from adambridge import AdamBridge, piece_rows
 from adambridge._native import loader
 
-pytestmark = pytest.mark.skipif(loader.native_or_none() is None,
-                                reason="kept rows are native descriptors: needs the native library")
+pytestmark = pytest.mark.skipif(
+    loader.native_or_none() is None,
+    reason="kept rows are native descriptors: needs the native library, which a C compiler "
+           "builds at import (gcc or clang; Debian package gcc)")
 
 
 class Small(nn.Module):

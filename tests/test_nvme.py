@@ -517,7 +517,8 @@ def _vm_flags(address: int) -> list:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"),
+                    reason="needs a Linux kernel (reads the mapping's flags in /proc/self/smaps)")
 def test_page_buffers_are_private_aligned_and_advised_huge():
     # A record's physically contiguous runs become its DMA segments: a buffer of 256 KiB
     # or more starts on a 2 MiB boundary in private memory advised for huge pages ('hg'),
@@ -554,7 +555,8 @@ print("closed")
 
 
 @pytest.mark.skipif(not hasattr(__import__("threading"), "_shutdown_locks_lock"),
-                    reason="the deadlock needs CPython < 3.13's threading._shutdown_locks_lock")
+                    reason="needs a CPython whose threading module has _shutdown_locks_lock "
+                           "(3.11 and 3.12 do), the lock the deadlock went through")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_tier_finalizer_never_joins_a_thread(engine, tmp_path):
     # Seen as a hang of the suite: a Thread.start() waiting forever for a new thread whose

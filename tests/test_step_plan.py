@@ -160,9 +160,10 @@ CHANGES = [
 ]
 
 
-def _changed_run(backend: str, change) -> list:
-    gen = torch.Generator().manual_seed(11)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 130, 33)]
+def _changed_run(backend: str, change, shapes=((7,), (130,), (33,)), seed: int = 11) -> list:
+    """Five steps, ``change`` applied to the second parameter before the fourth."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
     opt = AdamBridge(params, lr=1e-2, backend=backend)
     trace = []
     for step in range(5):
@@ -326,18 +327,7 @@ def _transpose_grad_data(opt, p):
 
 
 def _square_run(backend: str, change) -> list:
-    gen = torch.Generator().manual_seed(13)
-    params = [torch.nn.Parameter(torch.randn(n, n, generator=gen)) for n in (3, 6, 5)]
-    opt = AdamBridge(params, lr=1e-2, backend=backend)
-    trace = []
-    for step in range(5):
-        if step != 3:
-            _fresh_grads(params, gen)
-        else:
-            change(opt, params[1])
-        opt.step()
-        trace.append(_snapshot(opt, params))
-    return trace
+    return _changed_run(backend, change, shapes=((3, 3), (6, 6), (5, 5)), seed=13)
 
 
 def test_step_plan_sees_the_same_gradient_transposed_behind_its_pointer():

@@ -271,9 +271,15 @@ def _dtype_code(t, name: str) -> tuple[int, int]:
     return found
 
 
+def checked_column(t, name: str, n: int) -> tuple[int, int]:
+    """(data pointer, dtype code) of a row's gradient or ``out`` tensor (float32, bfloat16 or
+    float16), after the checks every packed row makes: n elements, contiguous, on the CPU."""
+    code, size = _dtype_code(t, name)
+    return _pointer(t, name, n, size), code
+
+
 def _grad_pointer(grad, n: int) -> tuple[int, int]:
-    code, size = _dtype_code(grad, "grad")
-    return _pointer(grad, "grad", n, size), code
+    return checked_column(grad, "grad", n)
 
 
 def _append_row(item, words: list, codes: list) -> None:
@@ -294,8 +300,7 @@ def _append_row(item, words: list, codes: list) -> None:
         scale_v = _pointer(item.exp_avg_sq_scale, "exp_avg_sq_scale", blocks, 4)
     out_code = AB_NONE
     if item.out is not None:
-        out_code, out_size = _dtype_code(item.out, "out")
-        out = _pointer(item.out, "out", n, out_size)
+        out, out_code = checked_column(item.out, "out", n)
     words += (_pointer(item.master, "master", n, 4), grad,
               _pointer(item.exp_avg, "exp_avg", n, m_size),
               _pointer(item.exp_avg_sq, "exp_avg_sq", n, v_size), scale_m, scale_v, out, n,

@@ -152,7 +152,10 @@ class Pipeline(FactsMixin):
             raise RuntimeError(f"parameter {opt.index(p)} received a second gradient "
                                f"before the optimizer step; wrap the earlier backward passes "
                                f"of the step in `with opt.accumulate():`, or pass "
-                               f"accumulation_steps=N to attach_hooks")
+                               f"accumulation_steps=N to attach_hooks; within one backward, "
+                               f"a parameter used in more than one "
+                               f"torch.utils.checkpoint(use_reentrant=True) region gets a "
+                               f"gradient from each: pass use_reentrant=False")
         if record.failed:
             return
         try:

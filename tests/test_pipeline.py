@@ -464,6 +464,46 @@ def test_fault_second_backward_without_accumulate_is_a_clear_error():
     assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
 
 
+class _SharedBlock(nn.Module):
+    """One Linear applied three times, each use in its own reentrant checkpoint region."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.use_reentrant = nn.Linear(8, 8), use_reentrant
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.block(t)), x,
+                                                  use_reentrant=self.use_reentrant)
+        return x
+
+
+def test_fault_shared_parameter_in_reentrant_checkpoints_names_the_cause():
+    # Each reentrant region's inner backward fires the parameter's hook once: updating on the
+    # first would use a third of the gradient. The error names reentrant checkpointing beside
+    # gradient accumulation, and non-reentrant checkpointing steps as torch's AdamW.
+    model = _SharedBlock(use_reentrant=True)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"parameter \d received a second gradient .*"
+                                           r"use_reentrant=True\) region gets a gradient from "
+                                           r"each: pass use_reentrant=False"):
+        model(x).sum().backward()
+    reference, model = _SharedBlock(use_reentrant=False), _SharedBlock(use_reentrant=False)
+    model.load_state_dict(reference.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    for _ in range(2):
+        for net, optimizer in ((reference, ref_opt), (model, opt)):
+            net(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_worker_exits_when_optimizer_is_collected():
     model = nn.Linear(8, 8)
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)

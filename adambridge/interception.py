@@ -9,7 +9,9 @@ at least one pipeline is attached those entry points are wrapped:
 
 - ``clip_grad_norm_`` / ``clip_grads_with_norm_`` / ``clip_grad_value_`` over parameters
   that an attached pipeline hooks are answered by that pipeline (exact clipping of the
-  host gradients, see step_facts.py); every other call goes to torch unchanged.
+  host gradients, see step_facts.py); every other call goes to torch unchanged. torch's own
+  ``clip_grad_norm_``, bound by name before the wrappers went in, still calls clip_grad.py's
+  ``_clip_grads_with_norm_`` helper, which is wrapped too, and is answered from there.
 - ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
   pipeline (unscale and inf check of the host gradients).
 
@@ -17,6 +19,8 @@ The wrappers are installed by the first attach and removed by the last detach.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import weakref
 from typing import Any, Iterable, Optional
@@ -61,8 +65,23 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Te
     pipeline = _owner(params)
     if pipeline is None:
         return _originals["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+    caller = sys._getframe(1)
+    if caller.f_code is _torch_clip_grad_norm_code():
+        # torch's own clip_grad_norm_, bound before attach_hooks (`from torch.nn.utils import
+        # clip_grad_norm_`): its total_norm left out the released gradients. Answer as the
+        # routed function does, and give torch's caller that norm in the tensor it returns.
+        args = caller.f_locals
+        norm = pipeline.clip_grad_norm(params, float(max_norm), float(args["norm_type"]),
+                                       bool(args["error_if_nonfinite"]))
+        total_norm.copy_(norm)
+        return None
     pipeline.clip_with_norm(params, float(max_norm), total_norm)
     return None
+
+
+def _torch_clip_grad_norm_code() -> Any:
+    """The code object of torch's own clip_grad_norm_ (under its no-grad decorator)."""
+    return inspect.unwrap(_originals["clip_grad_norm_"]).__code__
 
 
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:

@@ -28,7 +28,8 @@ def _data(n: int) -> list:
 
 
 def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
-         steps: int = 6, torch_clip_from: int = 0, release_grads: bool = True):
+         steps: int = 6, torch_clip_from: int = 0, release_grads: bool = True,
+         clip_fn=None):
     """clip='arg' (max_grad_norm), 'torch' (clip_grad_norm_ each step from torch_clip_from).
 
     With hooks, the worker is let finish what has landed before each clip call, so the
@@ -47,7 +48,8 @@ def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
             for lane in opt._pipeline.lanes.values():
                 lane.wait(lane.call(lambda: None))
         if clip == "torch" and i >= torch_clip_from:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            clip_grad_norm_ = clip_fn or torch.nn.utils.clip_grad_norm_  # looked up now
+            norms.append(float(clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         if clip == "arg":
             norms.append(opt.last_step_stats.grad_norm)
@@ -94,6 +96,19 @@ def test_clipping_async_equals_sync(case):
     sync, hooked = _run(False, **kw), _run(True, **kw)
     _compare(hooked, sync, case["exact"])
     assert all(n > 0 for n in hooked[2])  # torch's total norm, not the 0 of released grads
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5], ids=["fires at once", "fires later"])
+def test_clipping_with_clip_grad_norm_bound_before_attach_hooks(max_norm):
+    # `from torch.nn.utils import clip_grad_norm_` at the top of a script binds torch's own
+    # function; with the gradients released it found none, returned the norm without them and
+    # clipped nothing. It reaches the pipeline through clip_grad.py's helper instead.
+    from adambridge import interception
+    bound = interception.original_clip_grad_norm_()  # what that import binds
+    sync = _run(False, clip="torch", max_norm=max_norm, clip_fn=bound)
+    hooked = _run(True, clip="torch", max_norm=max_norm, clip_fn=bound)
+    _compare(hooked, sync, exact=max_norm < 0.01)
+    assert all(n > 0 for n in hooked[2])
 
 
 def test_clipping_sync_max_grad_norm_equals_torch_clip_then_adamw():

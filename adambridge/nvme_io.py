@@ -186,8 +186,19 @@ def lock_directory(directory: Path) -> int:
     except OSError:
         os.close(fd)
         raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
-                         f"give each optimizer its own directory") from None
+                         f"give each optimizer its own directory{_per_rank_hint(directory)}, "
+                         f"or let the other go first (a Trainer resuming in the same process: "
+                         f"del the old Trainer and its optimizer, then gc.collect())") from None
     return fd
+
+
+def _per_rank_hint(directory: Path) -> str:
+    """Under torch.distributed the usual cause is every rank given one path: name the fix."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ""
+    per_rank = str(directory / f"rank{dist.get_rank()}")
+    return f" (one per rank under torch.distributed, e.g. {per_rank!r})"
 
 
 class IOCounters:

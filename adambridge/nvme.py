@@ -40,6 +40,16 @@ def placement(opt: Any) -> list[Placed]:
     return all_in_ram(opt) if tier is None else tier.placement()
 
 
+class FiledState(dict):
+    """``opt.state[p]`` of a file-backed parameter: only ``step`` is in RAM. Asking it for a
+    moment or the master says where they are instead of a bare KeyError."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(f"{key!r}: this parameter's state lives in the NVMe tier's files "
+                       f"(offload_dir), opt.state[p] holds only 'step'; read "
+                       f"opt.state_dict()['state'] for its committed tensors")
+
+
 class Tier:
     """The file-backed state of one optimizer (``opt._tier``)."""
 
@@ -121,7 +131,7 @@ class Tier:
                 index = self._opt().index(p)
                 self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
             self._committed.pop(self._files[p].index, None)  # generation 0: read from p
-        return {"step": torch.tensor(0.0)}
+        return FiledState(step=torch.tensor(0.0))
 
     # -- the synchronous step
 
@@ -303,7 +313,8 @@ class Tier:
             committed.update({i: (gen, step) for i, gen, step in written.values()})
             self._publish(committed, [f for p in written for f in self._files[p].files])
             self._committed = committed
-        return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
+        return {p: (FiledState(step=s["step"]) if p in written else s)
+                for p, s in new_state.items()}
 
     def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
         buffer = self.stream.ring(self.layout)[0]

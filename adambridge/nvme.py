@@ -84,6 +84,12 @@ class Tier:
         self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
                                            self._files)
 
+    def __getstate__(self) -> dict:
+        # A copy would share (or lose) the locked files that hold the state.
+        raise TypeError("an AdamBridge with offload_dir cannot be copied or pickled (its state "
+                        "lives in files locked to it); save opt.state_dict() and load it into "
+                        "a new AdamBridge with its own offload_dir")
+
     # -- placement
 
     @property

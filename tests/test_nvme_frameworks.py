@@ -7,6 +7,7 @@ parameters in RAM and the rest in files, with pages of 128 or 256 elements so ev
 holds several pages. The refusals (one directory for two optimizers, FSDP2, shard_state) are
 one-line errors that name the fix, raised before anything changes.
 """
+import copy
 import gc
 import io
 import os
@@ -342,6 +343,19 @@ def test_reading_a_moment_of_a_file_backed_parameter_says_where_it_is(tmp_path):
     opt.load_state_dict(opt.state_dict())  # a loaded file-backed state says it too
     with pytest.raises(KeyError, match=r"lives in the NVMe tier's files"):
         opt.state[params[3]]["master"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copying_or_pickling_a_tier_optimizer_is_refused_in_one_line(tmp_path, how):
+    params = plain_params(torch.float32)
+    opt = AdamBridge(params, backend="torch", **tier_args(tmp_path, 300))
+    run_steps(params, opt, plain_grads(params, 1))
+    copy_it = {"deepcopy": lambda: copy.deepcopy(opt),
+               "torch.save": lambda: torch.save(opt, io.BytesIO())}[how]
+    with pytest.raises(TypeError, match=r"^an AdamBridge with offload_dir cannot be copied or "
+                                        r"pickled .*save opt.state_dict\(\) and load it"):
+        copy_it()
+    run_steps(params, opt, plain_grads(params, 2)[1:])  # the original goes on untouched
 
 
 # --------------------------------------------------------------------------- processes

@@ -183,8 +183,14 @@ def lock_directory(directory: Path) -> int:
         raise ValueError(describe_os_error("creating", path, exc)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
         os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            # A filesystem without flock (some network mounts) cannot keep two optimizers,
+            # or two nodes, apart: refuse it rather than share the files unguarded.
+            raise ValueError(f"offload_dir {str(directory)!r} cannot be locked (flock: "
+                             f"{exc.strerror or exc}); use a directory on a local drive, "
+                             f"one per optimizer") from None
         raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
                          f"give each optimizer its own directory{_per_rank_hint(directory)}, "
                          f"or let the other go first (a Trainer resuming in the same process: "

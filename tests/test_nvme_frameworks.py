@@ -8,6 +8,7 @@ holds several pages. The refusals (one directory for two optimizers, FSDP2, shar
 one-line errors that name the fix, raised before anything changes.
 """
 import copy
+import errno
 import gc
 import io
 import os
@@ -356,6 +357,22 @@ def test_copying_or_pickling_a_tier_optimizer_is_refused_in_one_line(tmp_path, h
                                         r"pickled .*save opt.state_dict\(\) and load it"):
         copy_it()
     run_steps(params, opt, plain_grads(params, 2)[1:])  # the original goes on untouched
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EOPNOTSUPP], ids=["ENOLCK", "EOPNOTSUPP"])
+def test_a_directory_that_cannot_be_locked_is_refused_not_called_in_use(tmp_path, monkeypatch,
+                                                                        err):
+    # Network mounts without flock: nothing would keep two nodes' ranks out of one directory.
+    from adambridge import nvme_io
+
+    def no_flock(fd, operation):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(nvme_io.fcntl, "flock", no_flock)
+    with pytest.raises(ValueError, match=rf"^offload_dir '{tmp_path}' cannot be locked \(flock: "
+                                         rf"{os.strerror(err)}\); use a directory on a local "
+                                         rf"drive, one per optimizer$"):
+        AdamBridge(plain_params(torch.float32), offload_dir=tmp_path)
 
 
 # --------------------------------------------------------------------------- processes

@@ -27,7 +27,7 @@ from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
 from .nvme_engine import open_engine
-from .nvme_io import IOEngine, lock_directory
+from .nvme_io import IOEngine, check_claim, claim_directory, lock_directory
 from .nvme_layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
                           sync_directory)
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
@@ -58,9 +58,11 @@ class Tier:
         self.dirs: tuple[Path, ...] = tuple(config.paths)
         self._opt = weakref.ref(opt)
         self._lock_fds: list[int] = []
+        self._claims: list[bytes] = []  # each directory's token (nvme_io.check_claim)
         try:
             for directory in self.dirs:
                 self._lock_fds.append(lock_directory(directory))
+                self._claims.append(claim_directory(directory, self._lock_fds[-1]))
         except ValueError:
             for fd in self._lock_fds:
                 os.close(fd)
@@ -178,6 +180,7 @@ class Tier:
     def commit(self, jobs: list[StreamJob], backend: str) -> float:
         """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
         with self.lock:
+            self._check_claims()
             for job in jobs:
                 job.files.check_sizes()
                 job.generation = self._committed.get(job.files.index, (0, 0))[0]
@@ -195,6 +198,12 @@ class Tier:
             self._committed = committed
             self._last_commit_s = time.perf_counter()
         return host_s
+
+    def _check_claims(self) -> None:
+        """Raise before writing if another optimizer took one of the directories (a lock
+        that does not reach across machines let it in)."""
+        for directory, token in zip(self.dirs, self._claims):
+            check_claim(directory, token)
 
     def _publish(self, committed: dict, written: list) -> None:
         """Commit: fdatasync every file in ``written`` and stage the new manifest, all at once
@@ -302,6 +311,7 @@ class Tier:
         """load_state_dict: write the file-placed states into their files and commit them;
         return new_state with those entries reduced to ``step``. Raises before any change."""
         with self.lock:
+            self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones
             written = {}
             for p, state in new_state.items():

@@ -15,6 +15,8 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -173,10 +175,13 @@ _preadv: Callable[[int, list, int], int] = os.preadv
 _pwritev: Callable[[int, list, int], int] = os.pwritev
 
 
+LOCK_FILE = "adambridge.lock"
+
+
 def lock_directory(directory: Path) -> int:
     """An exclusive lock, so two optimizers never share a directory's files; also proves
     the directory writable at construction rather than at the first step."""
-    path = directory / "adambridge.lock"
+    path = directory / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
@@ -196,6 +201,39 @@ def lock_directory(directory: Path) -> int:
                          f"or let the other go first (a Trainer resuming in the same process: "
                          f"del the old Trainer and its optimizer, then gc.collect())") from None
     return fd
+
+
+def claim_directory(directory: Path, fd: int) -> bytes:
+    """Write this optimizer's token into the locked file ``fd`` and return it: the lock
+    keeps out optimizers on this machine, the token (check_claim) those whose lock never
+    saw it, on a network filesystem that locks per machine."""
+    token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}\n".encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, token, 0)
+    except OSError as exc:
+        raise ValueError(describe_os_error("writing", directory / LOCK_FILE, exc)) from None
+    return token
+
+
+def check_claim(directory: Path, token: bytes) -> None:
+    """Raise, before a commit writes anything, if another optimizer has claimed the
+    directory since this one did. Reopened each time: an NFS client reads a file afresh at
+    open, not through an open descriptor."""
+    path = directory / LOCK_FILE
+    try:
+        with open(path, "rb") as file:
+            found = file.read(len(token) + 256)
+    except FileNotFoundError:
+        return  # no one claimed it since (a claim writes this file); the step says what broke
+    except OSError as exc:
+        raise TierError(describe_os_error("reading", path, exc)) from None
+    if found != token:
+        other = found.decode(errors="replace").strip() or "its token being written"
+        raise TierError(f"NVMe tier: offload_dir {str(directory)!r} was taken by another "
+                        f"optimizer ({other}) whose lock did not see this one (a network "
+                        f"filesystem that locks per machine); give each optimizer its own "
+                        f"directory{_per_rank_hint(directory)}")
 
 
 def _per_rank_hint(directory: Path) -> str:

@@ -375,6 +375,30 @@ def test_a_directory_that_cannot_be_locked_is_refused_not_called_in_use(tmp_path
         AdamBridge(plain_params(torch.float32), offload_dir=tmp_path)
 
 
+def test_a_lock_that_does_not_reach_the_other_optimizer_fails_its_step_before_writing(
+        tmp_path, monkeypatch):
+    # Two nodes on a network filesystem that locks per machine both get the lock: the one
+    # whose claim was overwritten must fail before it writes into the other's files.
+    from adambridge import nvme_io
+    monkeypatch.setattr(nvme_io.fcntl, "flock", lambda fd, operation: None)
+    first, second = plain_params(torch.float32), plain_params(torch.float32)
+    first_opt = AdamBridge(first, backend="torch", **tier_args(tmp_path, 300))
+    second_opt = AdamBridge(second, backend="torch", **tier_args(tmp_path, 300))
+    ram = plain_params(torch.float32)
+    ram_opt = AdamBridge(ram, backend="torch")
+    before = [p.detach().clone() for p in first]
+    with pytest.raises(nvme_io.TierError, match=rf"^NVMe tier: offload_dir '{tmp_path}' was "
+                                                rf"taken by another optimizer \(.* pid {os.getpid()} "
+                                                rf"[0-9a-f]+\) whose lock did not see this one"):
+        run_steps(first, first_opt, plain_grads(first, 1))
+    assert all(torch.equal(p, q) for p, q in zip(first, before))
+    with pytest.raises(nvme_io.TierError, match=r"was taken by another optimizer"):
+        first_opt.load_state_dict(ram_opt.state_dict())
+    run_steps(second, second_opt, plain_grads(second, 2))
+    run_steps(ram, ram_opt, plain_grads(ram, 2))
+    assert_same((second, second_opt.state_dict()["state"]), (ram, ram_opt.state_dict()["state"]))
+
+
 # --------------------------------------------------------------------------- processes
 
 

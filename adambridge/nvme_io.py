@@ -229,7 +229,7 @@ def check_claim(directory: Path, token: bytes) -> None:
     except OSError as exc:
         raise TierError(describe_os_error("reading", path, exc)) from None
     if found != token:
-        other = found.decode(errors="replace").strip() or "its token being written"
+        other = " ".join(found.decode(errors="replace").split()) or "its token being written"
         raise TierError(f"NVMe tier: offload_dir {str(directory)!r} was taken by another "
                         f"optimizer ({other}) whose lock did not see this one (a network "
                         f"filesystem that locks per machine); give each optimizer its own "

@@ -229,6 +229,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return self._finish_stats(stats, len(plan), began, loss)
         self.release_plan()
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
+            if self._tier is not None:  # DTensors put into param_groups behind our back
+                _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             distributed.sync_step(self, stats, began)
             return loss
         work = self._collect_work()

@@ -204,7 +204,7 @@ def test_lightning_fit_checkpoint_and_resume_with_offload_dir_equal_state_in_ram
     assert placement == {"ram", "file"}
     assert_same(files, ram)
     # step=4 is saved by ModelCheckpoint after the step, mid-fit, from the tier's files.
-    resumed, _ = lightning_fit(str(tmp_path / "files"), mode, tier_dir,
+    resumed, _ = lightning_fit(str(tmp_path / "resumed"), mode, tier_dir,
                                resume=str(tmp_path / "files" / "step=4.ckpt"))
     assert_same(resumed, ram)
 

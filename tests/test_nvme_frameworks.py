@@ -160,7 +160,7 @@ def test_trainer_resume_in_a_new_process_equals_uninterrupted(tmp_path):
 # --------------------------------------------------------------------------- Lightning
 
 
-def lightning_fit(folder: str, mode: str, tier_dir=None, resume=None) -> tuple:
+def lightning_fit(folder: str, mode: str, precision: str, tier_dir=None, resume=None) -> tuple:
     """The Tiny module of test_integrations_lightning (accumulation 2, clipping that fires,
     a ModelCheckpoint every 4 steps, 8 steps); its optimizer optionally with offload_dir."""
     import lightning
@@ -172,7 +172,7 @@ def lightning_fit(folder: str, mode: str, tier_dir=None, resume=None) -> tuple:
     class TierTiny(Tiny):
         def configure_optimizers(self):
             extra = {} if tier_dir is None else tier_args(tier_dir, 20000, page_size=128)
-            opt = AdamBridge(self.parameters(), lr=1e-2, backend="torch",
+            opt = AdamBridge(self.parameters(), lr=1e-2, backend="torch", precision=precision,
                              small_param_threshold=512, **extra)
             schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -194,17 +194,18 @@ def lightning_fit(folder: str, mode: str, tier_dir=None, resume=None) -> tuple:
     return result, placement
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode, precision", [("sync", "fp32"), ("async", "fp32"),
+                                             ("async", "bf16")])
 def test_lightning_fit_checkpoint_and_resume_with_offload_dir_equal_state_in_ram(tmp_path,
-                                                                                mode):
+                                                                                mode, precision):
     pytest.importorskip("lightning", reason="needs lightning (test extra)")
-    ram, _ = lightning_fit(str(tmp_path / "ram"), mode)
+    ram, _ = lightning_fit(str(tmp_path / "ram"), mode, precision)
     tier_dir = str(tmp_path / "tier")
-    files, placement = lightning_fit(str(tmp_path / "files"), mode, tier_dir)
+    files, placement = lightning_fit(str(tmp_path / "files"), mode, precision, tier_dir)
     assert placement == {"ram", "file"}
     assert_same(files, ram)
     # step=4 is saved by ModelCheckpoint after the step, mid-fit, from the tier's files.
-    resumed, _ = lightning_fit(str(tmp_path / "resumed"), mode, tier_dir,
+    resumed, _ = lightning_fit(str(tmp_path / "resumed"), mode, precision, tier_dir,
                                resume=str(tmp_path / "files" / "step=4.ckpt"))
     assert_same(resumed, ram)
 
@@ -212,18 +213,19 @@ def test_lightning_fit_checkpoint_and_resume_with_offload_dir_equal_state_in_ram
 # --------------------------------------------------------------------------- accelerate
 
 
-def accelerate_run(folder: str, mode: str, tier_dir=None, resume: bool = False) -> tuple:
+def accelerate_run(folder: str, mode: str, precision: str, tier_dir=None,
+                   resume: bool = False) -> tuple:
     """test_integrations_accelerate's run (accumulation 2, clip_grad_norm_, save_state
     after the first epoch, load_state into a fresh Accelerator with the hooks attached)."""
     import test_integrations_accelerate as reference
     real_init = AdamBridge.__init__
 
     def with_tier(self, params, **kwargs):
-        real_init(self, params, **kwargs, **tier_args(tier_dir, 20000, page_size=128))
+        extra = {} if tier_dir is None else tier_args(tier_dir, 20000, page_size=128)
+        real_init(self, params, **kwargs, precision=precision, **extra)
 
     patch = pytest.MonkeyPatch()
-    if tier_dir is not None:
-        patch.setattr(reference.AdamBridge, "__init__", with_tier)
+    patch.setattr(reference.AdamBridge, "__init__", with_tier)
     try:
         run = reference.make_run(mode)
     finally:
@@ -245,15 +247,18 @@ def accelerate_run(folder: str, mode: str, tier_dir=None, resume: bool = False) 
     return result, placement
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_accelerate_save_state_load_state_with_offload_dir_equal_state_in_ram(tmp_path, mode):
+@pytest.mark.parametrize("mode, precision", [("sync", "fp32"), ("async", "fp32"),
+                                             ("async", "fp8")])
+def test_accelerate_save_state_load_state_with_offload_dir_equal_state_in_ram(tmp_path, mode,
+                                                                              precision):
     pytest.importorskip("accelerate", reason="needs accelerate (test extra)")
-    ram, _ = accelerate_run(str(tmp_path / "ram"), mode)
+    ram, _ = accelerate_run(str(tmp_path / "ram"), mode, precision)
     tier_dir = str(tmp_path / "tier")
-    files, placement = accelerate_run(str(tmp_path / "files"), mode, tier_dir)
+    files, placement = accelerate_run(str(tmp_path / "files"), mode, precision, tier_dir)
     assert placement == {"ram", "file"}
     assert_same(files, ram)
-    resumed, _ = accelerate_run(str(tmp_path / "files"), mode, tier_dir, resume=True)
+    resumed, _ = accelerate_run(str(tmp_path / "files"), mode, precision, tier_dir,
+                                resume=True)
     assert_same(resumed, ram)
 
 

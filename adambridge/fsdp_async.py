@@ -45,8 +45,9 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
         raise ValueError("attach_hooks(accumulation_steps=..., closes_window=...) on FSDP2 "
                          "parameters is not supported; call model.set_requires_gradient_sync"
                          "(False) on the accumulating passes instead")
+    # offload_dir never gets here: AdamBridge refuses it with DTensor parameters.
     for name, value in (("max_grad_norm", opt.max_grad_norm),
-                        ("autotune", opt.autotune_config), ("offload_dir", opt._tier)):
+                        ("autotune", opt.autotune_config)):
         if value is not None:
             raise ValueError(f"attach_hooks() on FSDP2 parameters with {name} is not "
                              f"supported; use synchronous opt.step(), or drop {name}")

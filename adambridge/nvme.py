@@ -27,7 +27,7 @@ from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
 from .nvme_engine import open_engine
-from .nvme_io import IOEngine, lock_directory
+from .nvme_io import IOEngine, check_claim, claim_directory, lock_directory
 from .nvme_layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
                           sync_directory)
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
@@ -40,6 +40,16 @@ def placement(opt: Any) -> list[Placed]:
     return all_in_ram(opt) if tier is None else tier.placement()
 
 
+class FiledState(dict):
+    """``opt.state[p]`` of a file-backed parameter: only ``step`` is in RAM. Asking it for a
+    moment or the master says where they are instead of a bare KeyError."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(f"{key!r}: this parameter's state lives in the NVMe tier's files "
+                       f"(offload_dir), opt.state[p] holds only 'step'; read "
+                       f"opt.state_dict()['state'] for its committed tensors")
+
+
 class Tier:
     """The file-backed state of one optimizer (``opt._tier``)."""
 
@@ -48,9 +58,11 @@ class Tier:
         self.dirs: tuple[Path, ...] = tuple(config.paths)
         self._opt = weakref.ref(opt)
         self._lock_fds: list[int] = []
+        self._claims: list[bytes] = []  # each directory's token (nvme_io.check_claim)
         try:
             for directory in self.dirs:
                 self._lock_fds.append(lock_directory(directory))
+                self._claims.append(claim_directory(directory, self._lock_fds[-1]))
         except ValueError:
             for fd in self._lock_fds:
                 os.close(fd)
@@ -73,6 +85,12 @@ class Tier:
         self._renamed: Optional[Future] = None  # the directory fsync of the last publish
         self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
                                            self._files)
+
+    def __getstate__(self) -> dict:
+        # A copy would share (or lose) the locked files that hold the state.
+        raise TypeError("an AdamBridge with offload_dir cannot be copied or pickled (its state "
+                        "lives in files locked to it); save opt.state_dict() and load it into "
+                        "a new AdamBridge with its own offload_dir")
 
     # -- placement
 
@@ -121,7 +139,7 @@ class Tier:
                 index = self._opt().index(p)
                 self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
             self._committed.pop(self._files[p].index, None)  # generation 0: read from p
-        return {"step": torch.tensor(0.0)}
+        return FiledState(step=torch.tensor(0.0))
 
     # -- the synchronous step
 
@@ -162,6 +180,7 @@ class Tier:
     def commit(self, jobs: list[StreamJob], backend: str) -> float:
         """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
         with self.lock:
+            self._check_claims()
             for job in jobs:
                 job.files.check_sizes()
                 job.generation = self._committed.get(job.files.index, (0, 0))[0]
@@ -179,6 +198,12 @@ class Tier:
             self._committed = committed
             self._last_commit_s = time.perf_counter()
         return host_s
+
+    def _check_claims(self) -> None:
+        """Raise before writing if another optimizer took one of the directories (a lock
+        that does not reach across machines let it in)."""
+        for directory, token in zip(self.dirs, self._claims):
+            check_claim(directory, token)
 
     def _publish(self, committed: dict, written: list) -> None:
         """Commit: fdatasync every file in ``written`` and stage the new manifest, all at once
@@ -286,6 +311,7 @@ class Tier:
         """load_state_dict: write the file-placed states into their files and commit them;
         return new_state with those entries reduced to ``step``. Raises before any change."""
         with self.lock:
+            self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones
             written = {}
             for p, state in new_state.items():
@@ -303,7 +329,8 @@ class Tier:
             committed.update({i: (gen, step) for i, gen, step in written.values()})
             self._publish(committed, [f for p in written for f in self._files[p].files])
             self._committed = committed
-        return {p: ({"step": s["step"]} if p in written else s) for p, s in new_state.items()}
+        return {p: (FiledState(step=s["step"]) if p in written else s)
+                for p, s in new_state.items()}
 
     def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
         buffer = self.stream.ring(self.layout)[0]

@@ -15,6 +15,8 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -173,21 +175,74 @@ _preadv: Callable[[int, list, int], int] = os.preadv
 _pwritev: Callable[[int, list, int], int] = os.pwritev
 
 
+LOCK_FILE = "adambridge.lock"
+
+
 def lock_directory(directory: Path) -> int:
     """An exclusive lock, so two optimizers never share a directory's files; also proves
     the directory writable at construction rather than at the first step."""
-    path = directory / "adambridge.lock"
+    path = directory / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise ValueError(describe_os_error("creating", path, exc)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
         os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            # A filesystem without flock (some network mounts) cannot keep two optimizers,
+            # or two nodes, apart: refuse it rather than share the files unguarded.
+            raise ValueError(f"offload_dir {str(directory)!r} cannot be locked (flock: "
+                             f"{exc.strerror or exc}); use a directory on a local drive, "
+                             f"one per optimizer") from None
         raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
-                         f"give each optimizer its own directory") from None
+                         f"give each optimizer its own directory{_per_rank_hint(directory)}, "
+                         f"or let the other go first (a Trainer resuming in the same process: "
+                         f"del the old Trainer and its optimizer, then gc.collect())") from None
     return fd
+
+
+def claim_directory(directory: Path, fd: int) -> bytes:
+    """Write this optimizer's token into the locked file ``fd`` and return it: the lock
+    keeps out optimizers on this machine, the token (check_claim) those whose lock never
+    saw it, on a network filesystem that locks per machine."""
+    token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}\n".encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, token, 0)
+    except OSError as exc:
+        raise ValueError(describe_os_error("writing", directory / LOCK_FILE, exc)) from None
+    return token
+
+
+def check_claim(directory: Path, token: bytes) -> None:
+    """Raise, before a commit writes anything, if another optimizer has claimed the
+    directory since this one did. Reopened each time: an NFS client reads a file afresh at
+    open, not through an open descriptor."""
+    path = directory / LOCK_FILE
+    try:
+        with open(path, "rb") as file:
+            found = file.read(len(token) + 256)
+    except FileNotFoundError:
+        return  # no one claimed it since (a claim writes this file); the step says what broke
+    except OSError as exc:
+        raise TierError(describe_os_error("reading", path, exc)) from None
+    if found != token:
+        other = " ".join(found.decode(errors="replace").split()) or "its token being written"
+        raise TierError(f"NVMe tier: offload_dir {str(directory)!r} was taken by another "
+                        f"optimizer ({other}) whose lock did not see this one (a network "
+                        f"filesystem that locks per machine); give each optimizer its own "
+                        f"directory{_per_rank_hint(directory)}")
+
+
+def _per_rank_hint(directory: Path) -> str:
+    """Under torch.distributed the usual cause is every rank given one path: name the fix."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ""
+    per_rank = str(directory / f"rank{dist.get_rank()}")
+    return f" (one per rank under torch.distributed, e.g. {per_rank!r})"
 
 
 class IOCounters:

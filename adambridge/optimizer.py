@@ -95,6 +95,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if offload is not None:
+            _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             self._tier = nvme.Tier(self, offload, host_budget)
         if self._backend_request == "native":
             self._resolve_backend()  # fail now, not at the first step
@@ -167,6 +168,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         check.group_flags(param_group, "a param group")
         check.hyperparameters(*(param_group.get(k, self.defaults[k])
                                 for k in ("lr", "betas", "eps", "weight_decay")))
+        if getattr(self, "_tier", None) is not None:  # None while __init__ adds the groups
+            _refuse_dtensors_with_offload(p for p in unique if isinstance(p, torch.Tensor))
         super().add_param_group(dict(param_group, params=unique))
         self._index_params()
 
@@ -226,9 +229,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return self._finish_stats(stats, len(plan), began, loss)
         self.release_plan()
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
-            if self._tier is not None:
-                raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported: "
-                                 "each rank's shard stays in host RAM; remove offload_dir")
+            if self._tier is not None:  # DTensors put into param_groups behind our back
+                _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             distributed.sync_step(self, stats, began)
             return loss
         work = self._collect_work()
@@ -452,6 +454,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
+
+
+def _refuse_dtensors_with_offload(params: Iterable) -> None:
+    """offload_dir with FSDP2 (DTensor) parameters: refused when the pairing is first seen,
+    before a tier exists, so neither step() nor attach_hooks() meets it later."""
+    if any(distributed.is_dtensor(p) for p in params):
+        raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported, in "
+                         "either mode; remove offload_dir (each rank's shard then stays in "
+                         "host RAM)")
 
 
 _can_alias_master = can_alias_master  # the name pipeline code of before the seams imported

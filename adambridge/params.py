@@ -87,7 +87,7 @@ class ParamOwner:
             # when the tier streams p (nvme.py, Tier.commit); here only ``step`` is made.
             if not state:
                 self._layout[p] = (p.shape, p.dtype)
-                state.update(self._tier.new_state(p))
+                state = self.state[p] = self._tier.new_state(p)
             return state
         if state:  # the common case: one dict lookup and one tuple compare
             if self._written.get(p) != (p._version, p.data_ptr()) and not can_alias_master(p):

@@ -687,6 +687,50 @@ def _fsdp2_async_errors(rank: int) -> dict:
     return errors
 
 
+def nvme_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """DDP with offload_dir: a directory per rank (sync and async, against state in RAM),
+    one directory for every rank, and the combinations refused (FSDP2, shard_state)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from adambridge import AdamBridge
+    from adambridge.nvme import OffloadConfig
+    result = {}
+    for mode in ("sync", "async"):
+        for where in ("ram", "files"):
+            folder = os.path.join(out_dir, f"{mode}-rank{rank}")
+            os.makedirs(folder, exist_ok=True)
+            # budget 100 bytes: the 5-element bias stays in RAM, the rest streams in pages.
+            tier = {} if where == "ram" else dict(
+                offload_dir=OffloadConfig([folder], page_size=128, queue_depth=2),
+                host_budget=100)
+            model = DDP(make_model())
+            opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision="bf16",
+                             backend="torch", small_param_threshold=16, **tier)
+            if mode == "async":
+                opt.attach_hooks(model)
+            train(model, opt, rank)
+            opt.detach_hooks()
+            result[mode, where] = ([p.detach().clone() for p in model.parameters()],
+                                   opt.state_dict()["state"], {x.where for x in opt.placement()})
+            del opt
+    shared, kept = os.path.join(out_dir, "shared"), []
+    os.makedirs(shared, exist_ok=True)
+    dist.barrier()  # both ranks try the one directory after it exists
+    result["one directory"] = _error(
+        lambda: kept.append(AdamBridge(make_model().parameters(), offload_dir=shared)))
+    dist.barrier()  # the rank that got it holds it until both have tried
+    own = os.path.join(out_dir, f"own{rank}")
+    os.makedirs(own, exist_ok=True)
+    result["shard_state"] = _error(
+        lambda: AdamBridge(make_model().parameters(), shard_state=True, offload_dir=own))
+    result["fsdp2"] = _error(lambda: AdamBridge(shard(make_model()).parameters(), offload_dir=own))
+    opt = AdamBridge([torch.nn.Parameter(torch.randn(3))], offload_dir=own)
+    result["fsdp2 add_param_group"] = _error(
+        lambda: opt.add_param_group({"params": list(shard(make_model()).parameters())}))
+    result["groups after the refusal"] = len(opt.param_groups)
+    return result
+
+
 def two_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every two-rank scenario in one launch (each launch costs seconds of imports)."""
     return {f.__name__: f(rank, world, out_dir)
@@ -699,4 +743,4 @@ SCENARIOS = {f.__name__: f for f in (two_ranks, fsdp2_vs_adamw, fsdp2_clipping,
                                      fsdp2_given_grads, refusals, ddp_sync, ddp_async,
                                      dcp_save, dcp_load, hsdp_given_grads, zero_given_grads,
                                      zero_ddp, zero_save, zero_refusals, zero_four,
-                                     zero_async, fsdp2_async)}
+                                     zero_async, fsdp2_async, nvme_ranks)}

@@ -27,7 +27,7 @@ from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
 from .nvme_engine import open_engine
-from .nvme_io import IOEngine, check_claim, claim_directory, lock_directory
+from .nvme_io import IOEngine, TierError, check_claim, claim_directory, lock_directory
 from .nvme_layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
                           sync_directory)
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
@@ -86,6 +86,17 @@ class Tier:
         self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
                                            self._files)
 
+    def close(self) -> None:
+        """Release the files and directory locks now instead of when the tier is collected
+        (idempotent). Steps, state_dict() and load_state_dict() raise afterwards."""
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise TierError("NVMe tier: this optimizer's tier was closed "
+                            "(opt.nvme_tier.close()); build a new AdamBridge and load your "
+                            "last state_dict() into it")
+
     def __getstate__(self) -> dict:
         # A copy would share (or lose) the locked files that hold the state.
         raise TypeError("an AdamBridge with offload_dir cannot be copied or pickled (its state "
@@ -134,6 +145,7 @@ class Tier:
     def new_state(self, p: torch.Tensor) -> dict:
         """The in-RAM part of a file-backed state: only ``step``. Files are created (space
         reserved) here, before any update, so a full drive fails with nothing changed."""
+        self._check_open()
         with self.lock:
             if p not in self._files:
                 index = self._opt().index(p)
@@ -179,6 +191,7 @@ class Tier:
 
     def commit(self, jobs: list[StreamJob], backend: str) -> float:
         """Stream every page of ``jobs``, fsync, publish; return the kernel seconds."""
+        self._check_open()
         with self.lock:
             self._check_claims()
             for job in jobs:
@@ -293,6 +306,7 @@ class Tier:
 
         Holding the lock waits for any step still writing (the checkpoint race of DeepSpeed
         #7549): a checkpoint is always of committed generations, never of pages in flight."""
+        self._check_open()
         states = {}
         with self.lock:
             buffer = self.stream.ring(self.layout)[0]
@@ -310,6 +324,7 @@ class Tier:
     def adopt(self, new_state: dict) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
         return new_state with those entries reduced to ``step``. Raises before any change."""
+        self._check_open()
         with self.lock:
             self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones

@@ -198,8 +198,9 @@ def lock_directory(directory: Path) -> int:
                              f"one per optimizer") from None
         raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
                          f"give each optimizer its own directory{_per_rank_hint(directory)}, "
-                         f"or let the other go first (a Trainer resuming in the same process: "
-                         f"del the old Trainer and its optimizer, then gc.collect())") from None
+                         f"or let the other go first (opt.nvme_tier.close() on the old "
+                         f"optimizer, e.g. a Trainer's before resuming in the same "
+                         f"process)") from None
     return fd
 
 

@@ -98,7 +98,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             self._tier = nvme.Tier(self, offload, host_budget)
         if self._backend_request == "native":
-            self._resolve_backend()  # fail now, not at the first step
+            try:
+                self._resolve_backend()  # fail now, not at the first step
+            except BaseException:
+                # The traceback keeps this half-made optimizer alive: its tier must not keep
+                # the directories locked against the user's next try.
+                if self._tier is not None:
+                    self._tier.close()
+                raise
 
     # ------------------------------------------------------------------ public attributes
 

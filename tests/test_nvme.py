@@ -12,6 +12,7 @@ from torch import nn
 
 from adambridge import AdamBridge, AutoTuneConfig, nvme, nvme_engine, nvme_io
 from adambridge.nvme import OffloadConfig
+from adambridge.nvme_io import TierError
 from adambridge.nvme_layout import PageLayout, read_committed
 
 
@@ -322,6 +323,39 @@ def test_tier_directory_is_locked_to_one_optimizer(tmp_path):
     gc.collect()  # the lock goes with the optimizer
     AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path,
                autotune=AutoTuneConfig(tune_precision=False))  # what the autotune error suggests
+
+
+def test_a_failed_constructor_lets_go_of_its_directory(tmp_path, monkeypatch):
+    # The traceback of the failure (kept by a notebook, or `info` here) holds the half-made
+    # optimizer; its directory must still be free for the next try.
+    from adambridge._native import loader
+
+    def no_compiler():
+        raise RuntimeError("no C compiler (simulated)")
+    monkeypatch.setattr(loader, "load", no_compiler)
+    with pytest.raises(RuntimeError, match="simulated") as info:
+        AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path, backend="native")
+    monkeypatch.undo()
+    AdamBridge([nn.Parameter(torch.randn(3))], offload_dir=tmp_path, backend="torch")
+    assert info.value is not None  # still alive while the directory was taken again
+
+
+def test_close_lets_go_of_the_directory_and_the_closed_tier_refuses_in_one_line(tmp_path):
+    params = [nn.Parameter(torch.randn(300))]
+    first = AdamBridge(params, offload_dir=tmp_path, host_budget=0, backend="torch")
+    params[0].grad = torch.ones(300)
+    first.step()
+    saved = first.state_dict()
+    first.nvme_tier.close()
+    first.nvme_tier.close()  # idempotent
+    second = AdamBridge(params, offload_dir=tmp_path, host_budget=0, backend="torch")
+    second.load_state_dict(saved)  # while `first` is still alive
+    for call in (first.step, first.state_dict, lambda: first.load_state_dict(saved)):
+        with pytest.raises(TierError, match=r"tier was closed \(opt\.nvme_tier\.close\(\)\); "
+                                            r"build a new AdamBridge") as info:
+            call()
+        assert "\n" not in str(info.value)
+    second.step()
 
 
 class _RefusingLibrary:

@@ -27,7 +27,8 @@ from . import state as host_state
 from .codecs import FP8_BLOCK
 from .nvme_config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
 from .nvme_engine import open_engine
-from .nvme_io import IOEngine, TierError, check_claim, claim_directory, lock_directory
+from .nvme_io import (IOEngine, TierError, check_claim, claim_directory, lock_directory,
+                      release_lock)
 from .nvme_layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
                           sync_directory)
 from .nvme_stream import PageStream, StreamJob, master_is_rounding
@@ -59,19 +60,20 @@ class Tier:
         self._opt = weakref.ref(opt)
         self._lock_fds: list[int] = []
         self._claims: list[bytes] = []  # each directory's token (nvme_io.check_claim)
+        self._pid = os.getpid()
         try:
             for directory in self.dirs:
                 self._lock_fds.append(lock_directory(directory))
                 self._claims.append(claim_directory(directory, self._lock_fds[-1]))
         except ValueError:
             for fd in self._lock_fds:
-                os.close(fd)
+                release_lock(fd)
             raise
         try:
             self.pool = open_engine(config.io_engine, config.queue_depth)
         except ValueError:
             for fd in self._lock_fds:
-                os.close(fd)
+                release_lock(fd)
             raise
         self.lock = threading.RLock()   # held while pages are in flight; state_dict waits on it
         self._where: dict[torch.Tensor, str] = {}
@@ -92,6 +94,11 @@ class Tier:
         self._finalizer()
 
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            # Two processes writing one set of files would corrupt them without an error.
+            raise TierError(f"NVMe tier: this optimizer's files belong to process "
+                            f"{self._pid}, not to this forked child; build the optimizer in "
+                            f"the process that trains")
         if not self._finalizer.alive:
             raise TierError("NVMe tier: this optimizer's tier was closed "
                             "(opt.nvme_tier.close()); build a new AdamBridge and load your "
@@ -397,7 +404,7 @@ def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
     for param_files in files.values():
         param_files.close()
     for fd in lock_fds:
-        os.close(fd)
+        release_lock(fd)
 
 
 def _host_grad(p: torch.Tensor) -> torch.Tensor:

@@ -201,7 +201,34 @@ def lock_directory(directory: Path) -> int:
                          f"or let the other go first (opt.nvme_tier.close() on the old "
                          f"optimizer, e.g. a Trainer's before resuming in the same "
                          f"process)") from None
+    _held_locks.add(fd)
     return fd
+
+
+# Lock descriptors held in this process. A forked child (a DataLoader worker) closes its
+# copies at once: an flock belongs to the open file, so while any child still held a copy
+# the directory would stay locked after the optimizer let it go.
+_held_locks: set = set()
+
+
+def release_lock(fd: int) -> None:
+    """Close a descriptor from lock_directory (not again in a child that dropped it)."""
+    if fd in _held_locks:
+        _held_locks.discard(fd)
+        os.close(fd)
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _held_locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def claim_directory(directory: Path, fd: int) -> bytes:

@@ -600,3 +600,54 @@ def test_tier_finalizer_never_joins_a_thread(engine, tmp_path):
     done = subprocess.run([sys.executable, "-c", _FINALIZE_UNDER_THREADING_LOCK, str(tmp_path),
                            engine], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr[-2000:]
+
+
+_FORKED_CHILD_KEEPS_NO_LOCK = """
+import multiprocessing as mp, sys, torch
+from adambridge import AdamBridge
+from adambridge.nvme import OffloadConfig
+from adambridge.nvme_io import TierError
+
+def child(opt, p, ready, release):
+    p.grad = torch.ones(300)
+    try:
+        opt.step()
+        ready.put("stepped")
+    except TierError as exc:
+        ready.put(str(exc))
+    release.wait(30)  # alive, holding whatever it inherited, while the parent goes on
+
+if __name__ == "__main__":
+    p = torch.nn.Parameter(torch.randn(300))
+    config = OffloadConfig([sys.argv[1]], page_size=128, io_engine=sys.argv[2])
+    opt = AdamBridge([p], offload_dir=config, host_budget=0, backend="torch")
+    p.grad = torch.ones(300)
+    opt.step()
+    ctx = mp.get_context("fork")  # as a DataLoader worker is made
+    ready, release = ctx.Queue(), ctx.Event()
+    worker = ctx.Process(target=child, args=(opt, p, ready, release))
+    worker.start()
+    print(ready.get(timeout=30))
+    opt.nvme_tier.close()
+    AdamBridge([p], offload_dir=sys.argv[1], host_budget=0, backend="torch")
+    print("relocked while the child lives")
+    release.set()
+    worker.join(30)
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_forked_child_neither_steps_the_tier_nor_keeps_its_directory_locked(engine, tmp_path):
+    # Two processes writing one set of files would corrupt them silently; and an flock held
+    # through a DataLoader worker's inherited descriptor kept the directory locked after
+    # the optimizer let it go.
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD_KEEPS_NO_LOCK, str(tmp_path),
+                           engine], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout.splitlines()
+    assert said[0].startswith("NVMe tier: this optimizer's files belong to process ")
+    assert said[0].endswith("not to this forked child; build the optimizer in the process "
+                            "that trains")
+    assert said[1] == "relocked while the child lives"

@@ -13,7 +13,7 @@ import torch
 
 from . import _validation as check
 from . import checkpoint, distributed, nvme, state as host_state, step_facts, step_plan
-from . import rank_pool, sync_transfer, zero
+from . import interception, rank_pool, sync_transfer, zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
@@ -209,6 +209,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.finish()
             return loss
+        interception.check_sync_step(self)  # a parameter another optimizer's hooks update
         if self.autotune_config is not None:
             from . import autotune
             autotune.tune_threads_once(self)
@@ -345,6 +346,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.detach()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with hooks attached, refused between a backward and its step()."""
+        if self._pipeline is not None:
+            self._pipeline.check_zero_grad()
+        super().zero_grad(set_to_none)
 
     def step_sync(self) -> StepStats:
         """``step()`` with hooks attached, returning the step's StepStats.

@@ -585,7 +585,7 @@ def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) ->
         _configure_pool(opt, cpus, threads)
     if opt.autotune_config is not None:
         from . import autotune
-        pipeline.tuner = autotune.Tuner(opt.autotune_config, opt.autotune_log)
+        pipeline.tuner = opt._tuner  # the optimizer's: a re-attach goes on where it was
         autotune.tune_threads_once(opt, cpus=cpus)
     return pipeline
 

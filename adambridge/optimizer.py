@@ -353,8 +353,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with hooks attached, refused between a backward and its step()."""
-        if self._pipeline is not None:
-            self._pipeline.check_zero_grad()
+        # (pipeline.py's pipeline checks; the FSDP2 and shard_state ones have no such record)
+        check = getattr(self._pipeline, "check_zero_grad", None)
+        if check is not None:
+            check()
         super().zero_grad(set_to_none)
 
     def step_sync(self) -> StepStats:

@@ -284,6 +284,27 @@ def _with_values(values: list) -> nn.Module:
     return model
 
 
+def test_one_parameter_in_a_hooked_optimizer_and_torch_sgd_needs_release_grads_false():
+    # A torch optimizer cannot be seen from the hooks; with release_grads=False p.grad stays
+    # and both update the shared weight as torch would (README, "Several optimizers").
+    def run(kind: str) -> nn.Module:
+        model = _model()
+        ours = _make(kind, list(model.parameters()), LR[0])
+        if kind == "ab":
+            ours.release_grads = False
+            ours.attach_hooks(model)
+        sgd = torch.optim.SGD([model[0].weight], lr=0.1)
+        for x, y in _data(3):
+            ((model(x) - y) ** 2).mean().backward()
+            for opt in (ours, sgd):
+                opt.step()
+            for opt in (ours, sgd):
+                opt.zero_grad()
+        return model
+
+    _assert_close(run("ab"), run("adamw"))
+
+
 # -- backward passes of another optimizer's loss
 
 

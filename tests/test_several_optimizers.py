@@ -184,6 +184,30 @@ def test_several_optimizers_grad_scaler_fp16_params_async_equals_sync():
     assert sync[1:] == hooked[1:]
 
 
+@pytest.mark.parametrize("threshold", [0, 10 ** 6], ids=["hooked", "sent at the step"])
+def test_several_optimizers_grad_scaler_unscale_both_then_one_clip(threshold):
+    def run(kinds: tuple) -> nn.Module:
+        model = _model()
+        opts = _pair(model, kinds, threshold)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        for i, (x, y) in enumerate(_data(5)):
+            loss = ((model(x) - y) ** 2).mean() * 30
+            scaler.scale(loss * (float("inf") if i == 2 else 1.0)).backward()
+            for opt in opts:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+        return model
+
+    hooked = run(("ab+hooks", "ab+hooks"))
+    _assert_close(hooked, run(("adamw", "adamw")))
+    _assert_equal(hooked, run(("ab", "ab")))
+
+
 def test_grad_scaler_unscale_then_clip_reaches_parameters_without_hooks():
     # One optimizer whose parameters are all under small_param_threshold: unscale_ settles
     # the step and takes their gradients out of p.grad, so a clip_grad_norm_ routed only for

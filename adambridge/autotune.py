@@ -178,6 +178,7 @@ class Tuner:
                 "baseline_s": self.baseline_s, "samples": [list(s) for s in self.samples]}
 
     def load_state_dict(self, saved: dict) -> None:
+        """Go on from ``saved`` (a checked ``state_dict()``; see ``resumed``)."""
         self.phase, self.previous = saved["phase"], saved["previous"]
         self.baseline_s = float(saved["baseline_s"])
         self.samples = [(float(h), float(b)) for h, b in saved["samples"]]

@@ -254,3 +254,55 @@ def test_autotune_checkpoint_of_another_starting_precision_loads_in_the_optimize
                        autotune=AutoTuneConfig(min_precision="fp8"))
     other.load_state_dict(opt.state_dict())
     assert other.precision == "fp8" and other._tuner.phase == "observe"
+
+
+def test_autotune_step_down_equals_sync_steps_then_loading_into_the_lower_precision(monkeypatch):
+    # The reference for a tuned async run: the same steps in sync mode, fp32 (equal to
+    # torch.optim.AdamW) until the step-down, then the checkpoint loaded into a bf16 one.
+    _step_down_once(monkeypatch)
+    batches = _batches(5)
+    model = _tiny()
+    opt = _tuned(model)
+    opt.attach_hooks(model)
+    _fit(model, opt, batches)
+    assert [(d.action, d.value) for d in opt.autotune_log if d.kind == "precision"] == [
+        ("stepped_down", "bf16"), ("kept", "bf16")]  # after the held step and one observed
+    reference, adamw = _tiny(), _tiny()
+    before = AdamBridge(reference.parameters(), lr=1e-2, backend="torch")
+    _fit(reference, before, batches[:2])
+    _fit(adamw, torch.optim.AdamW(adamw.parameters(), lr=1e-2), batches[:2])
+    for p, q in zip(reference.parameters(), adamw.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    after = AdamBridge(reference.parameters(), lr=1e-2, backend="torch", precision="bf16")
+    after.load_state_dict(before.state_dict())
+    _fit(reference, after, batches[2:])
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_autotune_two_optimizers_tune_precision_each_for_its_own_state(monkeypatch):
+    # The first one's host update outlasts backward, the second one's hides behind it.
+    real_after = autotune.Tuner.after_step
+    model = _tiny()
+    first = AdamBridge(model[0].parameters(), lr=1e-2, backend="torch", small_param_threshold=0,
+                       autotune=AutoTuneConfig(warmup_steps=1))
+    second = AdamBridge(model[2].parameters(), lr=3e-3, backend="torch",
+                        small_param_threshold=0, autotune=AutoTuneConfig(warmup_steps=1))
+
+    def after_step(self, pipeline, stats, backward_s):
+        slow = pipeline.opt is first and pipeline.opt.precision == "fp32"
+        stats.host_update_s = 0.03 if slow else 0.002
+        real_after(self, pipeline, stats, backward_s=0.01)
+
+    monkeypatch.setattr(autotune.Tuner, "after_step", after_step)
+    for opt in (first, second):
+        opt.attach_hooks(model)
+    for x, y in _batches(4):
+        ((model(x) - y) ** 2).mean().backward()
+        for opt in (first, second):
+            opt.step()
+        for opt in (first, second):
+            opt.zero_grad()
+    assert (first.precision, second.precision) == ("bf16", "fp32")
+    assert {first.state[p]["exp_avg"].dtype for p in model[0].parameters()} == {torch.bfloat16}
+    assert {second.state[p]["exp_avg"].dtype for p in model[2].parameters()} == {torch.float32}

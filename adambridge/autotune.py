@@ -12,6 +12,13 @@ Two decisions, each logged to ``opt.autotune_log`` as a TuneDecision with its re
    fp8, never below ``min_precision``); after ``warmup_steps`` more steps the change is kept
    only if the host time fell, else the states are converted back. Then the tuner stops.
    Converting back restores the precision, not the bits the lower precision rounded away.
+
+The native thread pool is process-wide, so decision 1 is made once per process: a second
+optimizer that tunes reuses (and logs) the first one's choice instead of re-sizing the pool
+under it. Decision 2 belongs to its optimizer (``opt._tuner``, made at construction): it
+outlives ``detach_hooks()``/``attach_hooks()`` and travels in ``state_dict()`` (the
+``'autotune'`` entry of ``'adambridge'``), so a resumed run continues at the precision and
+in the phase the saved one had reached instead of converting back and tuning again.
 """
 from __future__ import annotations
 
@@ -52,6 +59,8 @@ class AutoTuneConfig:
 
 
 _log = logging.getLogger("adambridge")
+# The thread count decision 1 chose in this process (the pool is process-wide), or None.
+_process_threads: list = [None]
 _BENCH_NUMEL = 1 << 22  # elements per thread-count trial: past the L2, still a quick sweep
 
 
@@ -134,6 +143,12 @@ def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
         return
     from . import topology
     from ._native import loader
+    if _process_threads[0] is not None:
+        loader.set_num_threads(_process_threads[0], cpus)  # attach_hooks re-sized it
+        _record(log, TuneDecision("threads", "skipped", _process_threads[0],
+                                  "the native pool is process-wide: tuned once already in "
+                                  "this process (by another optimizer), kept"))
+        return
     usable = tuple(cpus) or topology.allowed_cpus()
     candidates = config.thread_candidates or default_thread_candidates(max(1, len(usable)))
     timer = _kernel_timer(opt.precision)
@@ -141,19 +156,32 @@ def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
     def measure(n: int) -> float:
         loader.set_num_threads(n, cpus)
         return timer()
-    loader.set_num_threads(choose_threads(measure, candidates, log), cpus)
+    _process_threads[0] = choose_threads(measure, candidates, log)
+    loader.set_num_threads(_process_threads[0], cpus)
 
 
 class Tuner:
     """Decision 2 (see the module docstring), fed one step at a time by the pipeline."""
 
-    def __init__(self, config: AutoTuneConfig, log: list) -> None:
+    def __init__(self, config: AutoTuneConfig, log: list, origin: str) -> None:
         self.config = config
         self.log = log
+        self.origin = origin  # the optimizer's precision before any step-down
         self.phase = "observe" if config.tune_precision else "done"
         self.samples: list[tuple[float, float]] = []
         self.previous: Optional[str] = None
         self.baseline_s = 0.0
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on deciding as this one would."""
+        return {"origin": self.origin, "phase": self.phase, "previous": self.previous,
+                "baseline_s": self.baseline_s, "samples": [list(s) for s in self.samples]}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Go on from ``saved`` (a checked ``state_dict()``; see ``resumed``)."""
+        self.phase, self.previous = saved["phase"], saved["previous"]
+        self.baseline_s = float(saved["baseline_s"])
+        self.samples = [(float(h), float(b)) for h, b in saved["samples"]]
 
     def observe(self, precision: str, host_s: float, backward_s: float) -> Optional[str]:
         """The precision to convert every state to now, or None."""
@@ -200,6 +228,39 @@ class Tuner:
         target = self.observe(opt.precision, stats.host_update_s, backward_s)
         if target is not None:
             convert_states(pipeline, target)
+
+
+def resumed(opt: Any, state_dict: Any) -> tuple[str, Optional[dict]]:
+    """(precision to load the state in, the tuner's saved state or None) for a checkpoint.
+
+    A checkpoint of a run that started from this optimizer's precision (the same
+    ``origin``) resumes where its tuner was: in the precision it had stepped to. Any other
+    checkpoint loads in the optimizer's precision, the tuner untouched.
+    """
+    meta = state_dict.get("adambridge") if isinstance(state_dict, dict) else None
+    saved = meta.get("autotune") if isinstance(meta, dict) else None
+    tuner = opt._tuner
+    if saved is None or tuner is None:
+        return opt.precision, None
+    _check_saved(saved)
+    if saved["origin"] != tuner.origin:
+        return opt.precision, None
+    reached = meta.get("precision", opt.precision)
+    if reached not in PRECISION_LADDER:
+        raise ValueError(f"Invalid checkpoint ['adambridge']['precision']: {reached!r}")
+    return reached, saved
+
+
+def _check_saved(saved: Any) -> None:
+    ok = (isinstance(saved, dict) and saved.get("origin") in PRECISION_LADDER
+          and saved.get("phase") in ("observe", "trial", "done")
+          and saved.get("previous") in PRECISION_LADDER + (None,)
+          and isinstance(saved.get("baseline_s"), (int, float))
+          and isinstance(saved.get("samples"), list)
+          and all(isinstance(s, (list, tuple)) and len(s) == 2 for s in saved["samples"]))
+    if not ok:
+        raise ValueError(f"Invalid checkpoint ['adambridge']['autotune']: {saved!r} (expected "
+                         f"the dict AdamBridge.state_dict() writes)")
 
 
 def convert_states(pipeline: Any, precision: str) -> None:

@@ -29,9 +29,12 @@ import torch
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
+from . import step_facts
+
 _lock = threading.Lock()
 _pipelines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _originals: dict = {}
+_generation = [0]  # bumped by every register/unregister (check_sync_step's cache)
 
 
 def _params(parameters: Any) -> list:
@@ -40,30 +43,67 @@ def _params(parameters: Any) -> list:
     return list(parameters)
 
 
-def _owner(params: list) -> Optional[Any]:
-    """The attached pipeline hooking any of ``params``; an error if two would be involved."""
-    owners = {id(pl): pl for pl in list(_pipelines) for p in params if pl.hooks(p)}
-    if len(owners) > 1:
-        raise RuntimeError("clip_grad_norm_ over parameters of two AdamBridge optimizers with "
-                           "hooks attached: clip each optimizer's parameters separately")
-    return next(iter(owners.values()), None)
+def _claims(pipeline: Any, p: torch.Tensor) -> bool:
+    # Ownership, not only a hook: a parameter under small_param_threshold has no hook, but
+    # once its step is settled (e.g. by GradScaler.unscale_) its gradient has left p.grad
+    # too, and only the pipeline still has it. (The distributed pipelines own what they hook.)
+    owns = getattr(pipeline, "owns", None)
+    return owns(p) if owns is not None else pipeline.hooks(p)
+
+
+def _owners(params: list) -> list:
+    """The attached pipelines owning any of ``params``, each once."""
+    return list({id(pl): pl for pl in list(_pipelines) for p in params
+                 if _claims(pl, p)}.values())
+
+
+def _split(owners: list, params: list) -> list:
+    """Each owner's share of ``params``; the first also takes the parameters nobody owns
+    (its clip treats them as torch would, on p.grad), so no gradient is clipped twice."""
+    shares = [[p for p in params if _claims(pl, p)] for pl in owners]
+    claimed = {id(p) for share in shares for p in share}
+    shares[0] += [p for p in params if id(p) not in claimed]
+    return shares
+
+
+def _clip_norm(params: list, max_norm: float, norm_type: float,
+               error_if_nonfinite: bool) -> Optional[torch.Tensor]:
+    """clip_grad_norm_ answered by the owning pipeline(s); None when none owns a parameter."""
+    owners = _owners(params)
+    if not owners:
+        return None
+    if len(owners) == 1:
+        return owners[0].clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
+    # Several optimizers with hooks: one total norm over all of them, as torch takes it (the
+    # per-tensor norms in the order of ``params``), then each clips its share with it.
+    grads: dict = {}
+    for pl, share in zip(owners, _split(owners, params)):
+        grads.update(zip(map(id, share), pl.settled_grads(share)))
+    norms = [step_facts.vector_norm(grads[id(p)], norm_type) for p in params
+             if grads.get(id(p)) is not None]
+    total = step_facts.total_norm(norms, norm_type)
+    if error_if_nonfinite:
+        step_facts.check_finite_norm(total, norm_type)
+    for pl, share in zip(owners, _split(owners, params)):
+        pl.clip_with_norm(share, max_norm, total, report_norm=True)
+    return total.to(params[0].device)
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
     params = _params(parameters)
-    pipeline = _owner(params)
-    if pipeline is None:
+    total = _clip_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)
+    if total is None:
         return _originals["clip_grad_norm_"](params, max_norm, norm_type,
                                              error_if_nonfinite, foreach)
-    return pipeline.clip_grad_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)
+    return total
 
 
 def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
                           foreach: Optional[bool] = None) -> None:
     params = _params(parameters)
-    pipeline = _owner(params)
-    if pipeline is None:
+    owners = _owners(params)
+    if not owners:
         return _originals["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
     caller = sys._getframe(1)
     if caller.f_code is _torch_clip_grad_norm_code():
@@ -71,11 +111,12 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Te
         # clip_grad_norm_`): its total_norm left out the released gradients. Answer as the
         # routed function does, and give torch's caller that norm in the tensor it returns.
         args = caller.f_locals
-        norm = pipeline.clip_grad_norm(params, float(max_norm), float(args["norm_type"]),
-                                       bool(args["error_if_nonfinite"]))
+        norm = _clip_norm(params, float(max_norm), float(args["norm_type"]),
+                          bool(args["error_if_nonfinite"]))
         total_norm.copy_(norm)
         return None
-    pipeline.clip_with_norm(params, float(max_norm), total_norm)
+    for pl, share in zip(owners, _split(owners, params)):
+        pl.clip_with_norm(share, float(max_norm), total_norm)
     return None
 
 
@@ -86,10 +127,11 @@ def _torch_clip_grad_norm_code() -> Any:
 
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
     params = _params(parameters)
-    pipeline = _owner(params)
-    if pipeline is None:
+    owners = _owners(params)
+    if not owners:
         return _originals["clip_grad_value_"](params, clip_value, foreach)
-    pipeline.clip_value(params, float(clip_value))
+    for pl, share in zip(owners, _split(owners, params)):  # element-wise: shares are exact
+        pl.clip_value(share, float(clip_value))
     return None
 
 
@@ -144,11 +186,13 @@ def register(pipeline: Any) -> None:
         if not _originals:
             _install()
         _pipelines.add(pipeline)
+        _generation[0] += 1
 
 
 def unregister(pipeline: Any) -> None:
     with _lock:
         _pipelines.discard(pipeline)
+        _generation[0] += 1
         if not _pipelines and _originals:
             _uninstall()
 
@@ -165,6 +209,28 @@ def original_clip_grad_norm_() -> Any:
     return _originals.get("clip_grad_norm_", nn_utils.clip_grad_norm_)
 
 
-def hooked_anywhere(params: Iterable[torch.Tensor]) -> bool:
-    params = list(params)
-    return any(pl.hooks(p) for pl in list(_pipelines) for p in params)
+def owned_anywhere(params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The first of ``params`` that an attached pipeline owns, or None."""
+    pipelines = list(_pipelines)
+    return next((p for p in params if any(_claims(pl, p) for pl in pipelines)), None)
+
+
+def check_sync_step(opt: Any) -> None:
+    """Refuse a synchronous step over a parameter another optimizer's pipeline owns.
+
+    That pipeline takes the gradient out of p.grad (release_grads) and updates p itself, so
+    this step would silently skip p, or update it from a gradient the other already used.
+    Checked again only when the attached pipelines or this optimizer's parameters change.
+    """
+    if not _pipelines:
+        return
+    params = [p for group in opt.param_groups for p in group["params"]]
+    key = (_generation[0], id(opt.param_groups), len(params))
+    if getattr(opt, "_checked_against_pipelines", None) == key:
+        return
+    shared = owned_anywhere(params)
+    if shared is not None:
+        raise RuntimeError(f"step(): parameter {opt.index(shared)} also belongs to another "
+                           f"AdamBridge optimizer with hooks attached, which updates it; give "
+                           f"each optimizer its own parameters")
+    opt._checked_against_pipelines = key

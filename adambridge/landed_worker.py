@@ -114,8 +114,12 @@ class LandedWorker(ABC):
     def clip_grad_norm(self, *args: Any) -> Any:
         self._refuse_fact("clip_grad_norm_")
 
-    def clip_with_norm(self, *args: Any) -> None:
+    def clip_with_norm(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_fact("clip_grads_with_norm_")
+
+    def settled_grads(self, *args: Any) -> list:  # a clip_grad_norm_ over several optimizers
+        self._refuse_fact("clip_grad_norm_")
+        return []
 
     def clip_value(self, *args: Any) -> None:
         self._refuse_fact("clip_grad_value_")

@@ -12,9 +12,11 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import checkpoint, distributed, nvme, state as host_state, step_facts, step_plan
-from . import rank_pool, sync_transfer, zero
+from . import autotune, checkpoint, distributed, nvme, state as host_state, step_facts
+from . import step_plan
+from . import interception, rank_pool, sync_transfer, zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
+from .autotune import Tuner
 from .functional import UpdateItem, adamw_update
 from .params import ParamOwner
 from .state import can_alias_master
@@ -82,6 +84,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         # ZeRO-2 style host state under DDP (zero.py): the process group, or None.
         self._shard_group = zero.process_group(shard_state, offload)
         self.autotune_log: list = []
+        # The precision tuner (async mode) lives as long as the optimizer; see autotune.py.
+        self._tuner = None if self.autotune_config is None else Tuner(
+            self.autotune_config, self.autotune_log, origin=self._precision)
         self.last_step_stats = None
         self._resolved_backend: Optional[str] = None
         self._param_index: dict[torch.Tensor, int] = {}
@@ -216,8 +221,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.finish()
             return loss
+        interception.check_sync_step(self)  # a parameter another optimizer's hooks update
         if self.autotune_config is not None:
-            from . import autotune
             autotune.tune_threads_once(self)
         began = time.perf_counter()
         stats = StepStats()
@@ -353,6 +358,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if pipeline is not None:
             pipeline.detach()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with hooks attached, refused between a backward and its step()."""
+        # (pipeline.py's pipeline checks; the FSDP2 and shard_state ones have no such record)
+        check = getattr(self._pipeline, "check_zero_grad", None)
+        if check is not None:
+            check()
+        super().zero_grad(set_to_none)
+
     def step_sync(self) -> StepStats:
         """``step()`` with hooks attached, returning the step's StepStats.
 
@@ -404,6 +417,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._shard_group is not None:  # a collective: the whole state, on every rank
             state.update(zero.saved_state(self))
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
+        if self._tuner is not None:  # where the precision tuner is, for a resume
+            saved["adambridge"]["autotune"] = self._tuner.state_dict()
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, saved)
             saved = saved if result is None else result
@@ -420,11 +435,13 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         params = [p for group in self.param_groups for p in group["params"]]
+        # A tuned run resumes in the precision its tuner had reached (autotune.py).
+        precision, tuned = autotune.resumed(self, state_dict)
         if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
             new_state, new_groups, meta = zero.restore(self, state_dict)
         else:
             new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                               params, self._precision)
+                                                               params, precision)
         if self._tier is not None:
             new_state = self._tier.adopt(new_state)  # file-placed states go into their files
         self.release_plan()
@@ -438,6 +455,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.param_groups = new_groups
         self._index_params()
         self.seed = meta.get("seed", self.seed)
+        if tuned is not None and self._shard_group is None:
+            self._precision = precision
+            self._tuner.load_state_dict(tuned)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -459,6 +479,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_tier", None)  # pickled before the NVMe tier existed
         self.__dict__.setdefault("_shard_group", None)  # pickled before shard_state existed
         self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
+        self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

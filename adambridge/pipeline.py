@@ -72,8 +72,9 @@ class Pipeline(FactsMixin):
         in_model = self.owned if model is None else _model_params(model, self.owned)
         self.hooked = [p for p in in_model
                        if p.requires_grad and p.numel() >= opt.small_param_threshold]
-        _refuse_shared_hooks(self.hooked, opt)
+        _refuse_shared_params(self.owned, opt)
         self._hooked_set = {id(p) for p in self.hooked}
+        self._owned_set = {id(p) for p in self.owned}
         self.accumulation_steps = check.positive_int("accumulation_steps", accumulation_steps)
         self.closes_window = closes_window
         self.group_of: dict = {}
@@ -125,6 +126,10 @@ class Pipeline(FactsMixin):
         """Whether ``p`` has one of this pipeline's hooks (its gradient may be released)."""
         return id(p) in self._hooked_set
 
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of this optimizer's parameters (hooked or sent at the step)."""
+        return id(p) in self._owned_set
+
     def _refresh_groups(self) -> None:
         # load_state_dict and users may replace param_groups: look the group up again, so
         # the loaded hyperparameters and every later schedule change reach the update.
@@ -143,6 +148,10 @@ class Pipeline(FactsMixin):
         """p's gradient is ready: p.grad, or ``reduced`` (kept, never released) if given."""
         cuda_policy.check_hook(p)  # issue 11 item 12: graph capture, compiled backward
         self._track_backward()
+        if reduced is None and p.grad is None:
+            # requires_grad was turned off after the forward (Lightning's toggle_optimizer
+            # for another optimizer): autograd accumulates nothing but still calls the hook.
+            return
         if not self._window_closes():
             return  # the gradient stays on the device and accumulates
         # (read without the lock when set: finish replaces it only after the last hook)
@@ -450,6 +459,23 @@ class Pipeline(FactsMixin):
         for lane, unit in calls:
             lane.wait(unit, _SYNC_TIMEOUT_S)
 
+    def check_zero_grad(self) -> None:
+        """zero_grad() after a backward that handed gradients to the hooks, before step().
+
+        torch would drop those gradients, but the hooks have taken them out of p.grad and
+        may have updated with them (e.g. a backward of another optimizer's loss reached
+        these parameters): refused, so that this optimizer never steps on a gradient the
+        user meant to discard. Held first steps make this fail before anything changed.
+        """
+        record = self._record
+        if record is None or not record.jobs or record.failed:
+            return
+        done = f" (parameters {sorted(record.updated)} already took it)" if record.updated else ""
+        raise RuntimeError(f"zero_grad() between a backward pass and step(): the hooks had "
+                           f"already taken this optimizer's gradients for the step{done}; "
+                           f"turn requires_grad off on its parameters for that backward "
+                           f"(Lightning: self.toggle_optimizer(other)), or call step() first")
+
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
         self._accumulating += 1
@@ -496,12 +522,14 @@ def _stage_small_grads(lanes: dict, hooked: list, release_grads: bool) -> None:
             stage([p for p in hooked if p.device == device and p.numel() <= _STAGE_MAX_NUMEL])
 
 
-def _refuse_shared_hooks(hooked: list, opt: Any) -> None:
-    for p in hooked:
-        if interception.hooked_anywhere([p]):
-            raise RuntimeError(f"attach_hooks(): parameter {opt.index(p)} already has "
-                               f"the hooks of another AdamBridge optimizer; give each "
-                               f"optimizer its own parameters, or detach the other first")
+def _refuse_shared_params(owned: list, opt: Any) -> None:
+    # Every owned parameter, hooked or not: a pipeline takes the gradient of each out of
+    # p.grad, so the other optimizer would silently skip it (or reuse a used gradient).
+    shared = interception.owned_anywhere(owned)
+    if shared is not None:
+        raise RuntimeError(f"attach_hooks(): parameter {opt.index(shared)} also belongs to "
+                           f"another AdamBridge optimizer with hooks attached; give each "
+                           f"optimizer its own parameters, or detach the other first")
 
 
 def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], None]:
@@ -557,7 +585,7 @@ def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) ->
         _configure_pool(opt, cpus, threads)
     if opt.autotune_config is not None:
         from . import autotune
-        pipeline.tuner = autotune.Tuner(opt.autotune_config, opt.autotune_log)
+        pipeline.tuner = opt._tuner  # the optimizer's: a re-attach goes on where it was
         autotune.tune_threads_once(opt, cpus=cpus)
     return pipeline
 

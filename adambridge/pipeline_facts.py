@@ -65,12 +65,24 @@ class FactsMixin:
         device = params[0].device if params else torch.device("cpu")
         return total.to(device)
 
-    def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor) -> None:
+    def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor, *,
+                       report_norm: bool = False) -> None:
+        """Clip with a given total norm; ``report_norm``: it is this step's grad_norm (a
+        clip_grad_norm_ over several optimizers, interception.py)."""
         record = self._settled()
         if math.isfinite(max_norm):
             self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
         self._clip(jobs, others, total.detach().to("cpu"), max_norm)
+        if report_norm:
+            record.grad_norm = float(total)
+
+    def settled_grads(self, params: list) -> list:
+        """The gradient each of ``params`` has in this step: the host copy for ours, p.grad
+        for the others (None without one), once the step is settled."""
+        record = self._settled()
+        return [record.jobs[p].grad if p in record.jobs
+                else None if p in self.group_of else p.grad for p in params]
 
     def clip_value(self, params: list, clip_value: float) -> None:
         record = self._settled()

@@ -234,8 +234,8 @@ def test_protocol_two_optimizers_on_one_model_is_a_clear_error():
     first = _opt(model)
     first.attach_hooks(model)
     second = _opt(model)
-    with pytest.raises(RuntimeError, match=r"parameter \d+ already has the hooks of another "
-                                           r"AdamBridge optimizer"):
+    with pytest.raises(RuntimeError, match=r"parameter \d+ also belongs to another "
+                                           r"AdamBridge optimizer with hooks attached"):
         second.attach_hooks(model)
     first.detach_hooks()
     second.attach_hooks(model)  # once the first has let go, the second may hook

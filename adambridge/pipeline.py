@@ -70,8 +70,10 @@ class Pipeline(FactsMixin):
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self.owned = [p for group in opt.param_groups for p in group["params"]]
         in_model = self.owned if model is None else _model_params(model, self.owned)
-        self.hooked = [p for p in in_model
-                       if p.requires_grad and p.numel() >= opt.small_param_threshold]
+        # A parameter without elements has nothing to overlap (and nothing to copy): it
+        # goes with the small ones, even with small_param_threshold=0.
+        self.hooked = [p for p in in_model if p.requires_grad and p.numel() > 0
+                       and p.numel() >= opt.small_param_threshold]
         _refuse_shared_params(self.owned, opt)
         self._hooked_set = {id(p) for p in self.hooked}
         self._owned_set = {id(p) for p in self.owned}

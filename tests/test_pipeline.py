@@ -464,6 +464,35 @@ def test_fault_second_backward_without_accumulate_is_a_clear_error():
     assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
 
 
+def test_a_parameter_without_elements_is_not_hooked_and_steps_as_torch():
+    # small_param_threshold=0 (hook everything, as for LoRA) used to hook a 0-element
+    # parameter too, and sending its gradient failed the step.
+    class WithEmpty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.empty, self.linear = nn.Parameter(torch.randn(0, 4)), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x).sum() + self.empty.sum()
+
+    torch.manual_seed(0)
+    reference, model = WithEmpty(), WithEmpty()
+    model.load_state_dict(reference.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    assert not opt._pipeline.hooks(model.empty) and opt._pipeline.hooks(model.linear.weight)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        for net, optimizer in ((reference, ref_opt), (model, opt)):
+            net(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert opt.state[model.empty]["exp_avg"].numel() == 0
+
+
 class _SharedBlock(nn.Module):
     """One Linear applied three times, each use in its own reentrant checkpoint region."""
 

@@ -96,6 +96,7 @@ class Pipeline(FactsMixin):
         self._record: Optional[StepRecord] = None
         self._record_lock = threading.Lock()
         self._warm = False          # False until a step has completed: that step is held
+        self._said_empty_step = False  # the one warning of a step() with no gradient
         self._accumulating = 0
         self._micro = 0             # backward passes ended in this accumulation window
         self._open_tasks: set = set()  # graph tasks whose end callback is pending
@@ -395,6 +396,13 @@ class Pipeline(FactsMixin):
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats
+        if not record.jobs and self._warm and not self._said_empty_step:
+            # torch.optim would update again from the p.grad a backward left; here each
+            # backward's gradients serve one step, so a second step() changes nothing.
+            self._said_empty_step = True
+            _log.warning("adambridge: step() with hooks attached found no gradient since the "
+                         "last step and updated nothing (each backward's gradients serve one "
+                         "step; torch.optim would step again on p.grad)")
         self._end_jobs(record)  # the host gradients go now, not at the next step
         if record.failed:
             _raise_step_error(record)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -462,6 +463,23 @@ def test_fault_second_backward_without_accumulate_is_a_clear_error():
     model(torch.randn(2, 8)).sum().backward()
     opt.step_sync()
     assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+
+
+def test_a_second_step_without_backward_updates_nothing_and_says_so_once(caplog):
+    # torch.optim would step again on the p.grad the backward left; the hooks hand each
+    # backward's gradients to one step, so the results part from torch: said, once.
+    model = nn.Linear(8, 8)
+    opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=0)
+    opt.attach_hooks(model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    after = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="adambridge"):
+        opt.step()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after))
+    said = [r.getMessage() for r in caplog.records if "found no gradient" in r.getMessage()]
+    assert len(said) == 1 and "torch.optim would step again on p.grad" in said[0]
 
 
 def test_a_parameter_without_elements_is_not_hooked_and_steps_as_torch():

@@ -211,8 +211,10 @@ class Pipeline(FactsMixin):
         if (self.accumulation_steps > 1 and self.closes_window is None
                 and not self._accumulating and _inside_function_backward()):
             raise RuntimeError(f"attach_hooks(accumulation_steps={self.accumulation_steps}) "
-                               f"cannot count backward passes whose hooked parameters all sit "
-                               f"in torch.utils.checkpoint(use_reentrant=True) regions; pass "
+                               f"cannot count the backward passes: a "
+                               f"torch.utils.checkpoint(use_reentrant=True) region ran its "
+                               f"inner pass before the outer pass reached a hook (every hooked "
+                               f"parameter checkpointed, as with LoRA); pass "
                                f"use_reentrant=False, or closes_window=, or run the earlier "
                                f"passes of the step in `with opt.accumulate():`")
 

@@ -60,14 +60,14 @@ def adapters(model) -> dict:
 
 
 def loop(kind, reentrant=None, accumulation=1, max_grad_norm=FIRES, all_params=False,
-         accumulate_by_context=False, **adambridge) -> dict:
+         accumulate_by_context=False, backend="torch", **adambridge) -> dict:
     """STEPS steps of a plain loop; kind: 'adamw', 'sync' or 'async'. Returns the adapters."""
     model = lora_gpt2(reentrant)
     params = [p for p in model.parameters() if all_params or p.requires_grad]
     if kind == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-2)
     else:
-        opt = AdamBridge(params, lr=1e-2, max_grad_norm=max_grad_norm, backend="torch",
+        opt = AdamBridge(params, lr=1e-2, max_grad_norm=max_grad_norm, backend=backend,
                          **adambridge)
         if kind == "async":
             opt.attach_hooks(model, accumulation_steps=1 if accumulate_by_context
@@ -111,15 +111,17 @@ def assert_adapters(a: dict, b: dict, **tolerance) -> None:
 SETTINGS = [(None, 1), (None, 2), (True, 1), (False, 1), (False, 2)]
 
 
-@pytest.mark.parametrize("reentrant,accumulation", SETTINGS + [(True, 2)])
-@pytest.mark.parametrize("all_params", [False, True])
-def test_sync_equals_adamw_to_compounded_fp32_rounding(reentrant, accumulation, all_params):
+@pytest.mark.parametrize("reentrant,accumulation,all_params",
+                         [s + (False,) for s in SETTINGS + [(True, 2)]]
+                         + [(None, 2, True), (True, 1, True)])
+def test_sync_equals_adamw_to_compounded_fp32_rounding(reentrant, accumulation, all_params,
+                                                       backend):
     # all_params: the frozen base is handed to the optimizer too; it gets no gradient and
     # must stay as it is, as with AdamW.
     base = lora_gpt2()
     frozen = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
     ref = loop("adamw", reentrant, accumulation, all_params=all_params)
-    ours = loop("sync", reentrant, accumulation, all_params=all_params)
+    ours = loop("sync", reentrant, accumulation, all_params=all_params, backend=backend)
     assert any(not torch.equal(ref[n], dict(base.named_parameters())[n]) for n in ref)
     assert_adapters(ours, ref, **COMPOUNDED)
     assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if n in frozen)
@@ -128,9 +130,9 @@ def test_sync_equals_adamw_to_compounded_fp32_rounding(reentrant, accumulation, 
 @pytest.mark.parametrize("reentrant,accumulation", SETTINGS)
 @pytest.mark.parametrize("threshold", [65536, 0])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
-def test_async_equals_sync_bit_for_bit(reentrant, accumulation, threshold, precision):
+def test_async_equals_sync_bit_for_bit(reentrant, accumulation, threshold, precision, backend):
     kwargs = dict(precision=precision, small_param_threshold=threshold,
-                  max_grad_norm=NEVER_FIRES)
+                  max_grad_norm=NEVER_FIRES, backend=backend)
     sync = loop("sync", reentrant, accumulation, **kwargs)
     hooked = loop("async", reentrant, accumulation, **kwargs)
     # Every adapter is under the default 65536 elements: none is hooked unless it is lowered.

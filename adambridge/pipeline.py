@@ -40,6 +40,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -193,12 +194,29 @@ class Pipeline(FactsMixin):
         task = torch._C._current_graph_task_id()
         if task in self._open_tasks:
             return
+        if not self._open_tasks:
+            self._refuse_untracked_outer_pass()
         # A pass that starts while another is open either runs inside it (reentrant
         # activation checkpointing calls backward from backward) or follows one that raised.
         # Only the second is still open when the step finishes: finish tells them apart.
         self._open_tasks.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_backward_ended, weakref.ref(self), task))
+
+    def _refuse_untracked_outer_pass(self) -> None:
+        # A pass run from a custom Function's backward (reentrant checkpointing) while no
+        # outer pass is tracked: the outer pass reached no hook (LoRA: every trainable
+        # parameter sits in checkpointed blocks), so each inner pass would be counted as a
+        # whole backward and accumulation_steps would close the window mid-pass.
+        if (self.accumulation_steps > 1 and self.closes_window is None
+                and not self._accumulating and _inside_function_backward()):
+            raise RuntimeError(f"attach_hooks(accumulation_steps={self.accumulation_steps}) "
+                               f"cannot count the backward passes: a "
+                               f"torch.utils.checkpoint(use_reentrant=True) region ran its "
+                               f"inner pass before the outer pass reached a hook (every hooked "
+                               f"parameter checkpointed, as with LoRA); pass "
+                               f"use_reentrant=False, or closes_window=, or run the earlier "
+                               f"passes of the step in `with opt.accumulate():`")
 
     def _backward_interrupted(self) -> None:
         # A pass whose end callback never ran raised inside backward.
@@ -548,6 +566,17 @@ def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], Non
         if pipeline is not None:
             pipeline.on_grad(p)
     return post_accumulate_grad_hook
+
+
+def _inside_function_backward() -> bool:
+    """Whether this thread runs inside a Python autograd Function's backward (a nested pass)."""
+    apply_code = torch.autograd.function.BackwardCFunction.apply.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is apply_code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _backward_ended(pipeline_ref: "weakref.ref[Pipeline]", task: int) -> None:

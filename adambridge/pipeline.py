@@ -570,7 +570,12 @@ def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], Non
 
 def _inside_function_backward() -> bool:
     """Whether this thread runs inside a Python autograd Function's backward (a nested pass)."""
-    apply_code = torch.autograd.function.BackwardCFunction.apply.__code__
+    # NOTE: BackwardCFunction is torch's internal; a release without it gets no refusal
+    # (the behaviour before the check) rather than an AttributeError inside backward.
+    apply = getattr(getattr(torch.autograd.function, "BackwardCFunction", None), "apply", None)
+    apply_code = getattr(apply, "__code__", None)
+    if apply_code is None:
+        return False
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is apply_code:

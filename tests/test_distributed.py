@@ -127,7 +127,9 @@ def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
                                    "**DDP, sharded host state**"])
 def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     script = tmp_path / "train.py"
-    script.write_text(example(after), encoding="utf-8")
+    # The example verbatim, then a line each rank prints once the example is done.
+    script.write_text(example(after) + '\nprint("example done", flush=True)\n',
+                      encoding="utf-8")
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -135,7 +137,13 @@ def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                           "--master-port", str(workers.free_port()), str(script)],
                          cwd=tmp_path, env=env, timeout=120, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("example done") == 2, run.stderr[-3000:]
+    # NOTE: once in many runs a gloo rank aborts in interpreter teardown, after the whole
+    # example (destroy_process_group included) has run: "terminate called without an active
+    # exception", a C++ thread of torch's meeting the finalizing interpreter. That abort,
+    # and only it, is let through once every rank is done; anything else fails.
+    teardown_abort = "terminate called without an active exception" in run.stderr
+    assert run.returncode == 0 or teardown_abort, run.stderr[-3000:]
     if "FSDP2" in after:
         assert (tmp_path / "checkpoint" / ".metadata").exists()
     if "sharded" in after:  # the gathered whole state, in the parameters' shapes

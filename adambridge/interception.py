@@ -76,15 +76,16 @@ def _clip_norm(params: list, max_norm: float, norm_type: float,
         return owners[0].clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
     # Several optimizers with hooks: one total norm over all of them, as torch takes it (the
     # per-tensor norms in the order of ``params``), then each clips its share with it.
+    shares = _split(owners, params)
     grads: dict = {}
-    for pl, share in zip(owners, _split(owners, params)):
+    for pl, share in zip(owners, shares):
         grads.update(zip(map(id, share), pl.settled_grads(share)))
     norms = [step_facts.vector_norm(grads[id(p)], norm_type) for p in params
              if grads.get(id(p)) is not None]
     total = step_facts.total_norm(norms, norm_type)
     if error_if_nonfinite:
         step_facts.check_finite_norm(total, norm_type)
-    for pl, share in zip(owners, _split(owners, params)):
+    for pl, share in zip(owners, shares):
         pl.clip_with_norm(share, max_norm, total, report_norm=True)
     return total.to(params[0].device)
 
@@ -224,11 +225,11 @@ def check_sync_step(opt: Any) -> None:
     """
     if not _pipelines:
         return
-    params = [p for group in opt.param_groups for p in group["params"]]
-    key = (_generation[0], id(opt.param_groups), len(params))
+    count = sum(len(group["params"]) for group in opt.param_groups)  # per step: no list
+    key = (_generation[0], id(opt.param_groups), count)
     if getattr(opt, "_checked_against_pipelines", None) == key:
         return
-    shared = owned_anywhere(params)
+    shared = owned_anywhere(p for group in opt.param_groups for p in group["params"])
     if shared is not None:
         raise RuntimeError(f"step(): parameter {opt.index(shared)} also belongs to another "
                            f"AdamBridge optimizer with hooks attached, which updates it; give "

@@ -52,8 +52,19 @@ def native_facts() -> tuple[Facts, bool]:
               ("isa supported", ", ".join(loader.supported_isas()))]
     facts += [("isa dropped", f"{isa}: {why}") for isa, why in sorted(native.built.dropped.items())]
     facts += [("library", f"{native.path}{' (private build)' if native.built.private else ''}"),
-              ("threads", loader.num_threads()), ("l2 cache", f"{loader.l2_cache_bytes()} bytes")]
+              ("threads", loader.num_threads()), ("l2 cache", f"{loader.l2_cache_bytes()} bytes"),
+              ("plan checks", plan_checks())]
     return facts, True
+
+
+def plan_checks() -> str:
+    """How a step plan over many parameters checks its tensors (issue 13): natively, or in Python."""
+    from . import step_plan
+    from ._native import torch_facts
+    found = torch_facts.load()
+    if found is None:
+        return f"python ({torch_facts.unavailable_reason()})"
+    return f"native from {step_plan.FACTS_MIN_PARAMS} parameters ({found.path})"
 
 
 def topology_facts() -> Facts:

@@ -15,7 +15,7 @@ from adambridge._native import loader
 ROOT = Path(__file__).resolve().parent.parent
 INFO_FIELDS = ("adambridge", "torch", "python", "platform", "compiler", "cache", "isa forced",
                "backend", "isa detected", "isa compiled", "library", "threads", "numa nodes",
-               "l2 cache", "cuda devices", "check fp32", "check bf16", "result")
+               "l2 cache", "plan checks", "cuda devices", "check fp32", "check bf16", "result")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The wheel: pure Python (py3-none-any), carrying the C sources the kernel is built from."""
+"""The wheel: pure Python (py3-none-any), carrying the C and C++ sources built on first use."""
 from __future__ import annotations
 
 import subprocess
@@ -18,5 +18,6 @@ def test_wheel_is_pure_python_and_carries_the_c_sources(tmp_path):
     sources = {f"adambridge/csrc/{p.name}" for p in (REPO / "adambridge" / "csrc").iterdir()
                if p.suffix in (".c", ".h")}
     assert sources and sources <= names
+    assert "adambridge/csrc_torch/step_facts.cpp" in names  # the step plan's metadata pass
     assert "adambridge/_native/build.py" in names
     assert not any(n.endswith((".so", ".dll", ".dylib")) for n in names)

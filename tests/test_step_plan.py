@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from adambridge import AdamBridge, step_plan
+from adambridge._native import torch_facts
 
 from conftest import native_available
 
@@ -18,6 +19,30 @@ def _native_required():
     if not native_available():
         pytest.fail("the native kernel did not build on this machine; the step plan is a "
                     "native-only path (see `python -m adambridge info`)")
+
+
+@pytest.fixture(autouse=True, params=["python checks", "native checks"])
+def checks(request, monkeypatch):
+    """Every test runs with the plan's Python passes and with its native ones (torch_facts),
+    which a plan otherwise takes from FACTS_MIN_PARAMS parameters on."""
+    if request.param == "native checks":
+        if torch_facts.load() is None:
+            pytest.fail("the torch metadata pass did not build on this machine: "
+                        f"{torch_facts.unavailable_reason()}")
+        monkeypatch.setattr(step_plan, "FACTS_MIN_PARAMS", 1)
+    else:
+        monkeypatch.setattr(step_plan, "FACTS_MIN_PARAMS", 10 ** 9)
+    monkeypatch.setitem(_MODE, "checks", request.param)
+    return request.param
+
+
+_MODE = {"checks": None}  # the running test's checks (see the fixture)
+
+
+def _assert_planned(opt) -> None:
+    """opt holds a plan, with the checks the test runs under."""
+    assert opt._plan is not None
+    assert (opt._plan.native is not None) == (_MODE["checks"] == "native checks")
 
 
 SHAPES = [(1,), (15,), (17,), (300,), (9, 13), (129,)]
@@ -80,7 +105,9 @@ def _long_run(backend: str, precision: str) -> tuple[list, int]:
     for step in range(STEPS):
         _event(step, opt, params, extra, saved, gen)
         opt.step()
-        planned += opt._plan is not None
+        # (a plan counts only with the checks the test runs under)
+        planned += opt._plan is not None and \
+            (opt._plan.native is not None) == (_MODE["checks"] == "native checks")
         saved["sched"].step()  # a new lr every step
         trace.append(_snapshot(opt, params + [extra]))
     return trace, planned
@@ -150,7 +177,14 @@ def _moment_storage_replaced(opt, p):
         moment.data = torch.full_like(moment, 0.25 if key == "exp_avg" else 0.5)
 
 
+def _leave_group(opt, p):
+    # The group's list itself edited: the group dicts and opt.state stay the same objects.
+    listed = opt.param_groups[0]["params"]
+    del listed[next(i for i, q in enumerate(listed) if q is p)]  # (list.remove calls ==)
+
+
 CHANGES = [
+    dict(desc="a parameter taken out of its group's list", change=_leave_group),
     dict(desc="a state tensor replaced", change=_change_exp_avg),
     dict(desc="a parameter's storage replaced (p.data = ...)", change=_replace_data),
     dict(desc="a state dict replaced by a copy", change=_replace_state),
@@ -200,7 +234,7 @@ def test_step_plan_bad_gradient_raises_before_any_update(spoil):
     for _ in range(2):
         _fresh_grads(params, torch.Generator().manual_seed(0))
         opt.step()
-    assert opt._plan is not None
+    _assert_planned(opt)
     before = _snapshot(opt, params)
     spoil(params)
     with pytest.raises(ValueError, match=r"Invalid gradient of parameter 1: shape \(3,\)"):
@@ -252,7 +286,7 @@ def _collections_during_steps(count: int, fresh_grads: bool) -> int:
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(count_start)
-    assert opt._plan is not None
+    _assert_planned(opt)
     return len(starts)
 
 
@@ -342,7 +376,8 @@ def test_step_plan_does_not_fit_a_parameter_transposed_behind_its_pointer():
     for _ in range(2):
         _fresh_grads(params, torch.Generator().manual_seed(0))
         opt.step()
-    assert opt._plan is not None and opt._plan.fits(opt)
+    _assert_planned(opt)
+    assert opt._plan.fits(opt)
     params[1].data = params[1].data.t()
     assert not opt._plan.fits(opt)
 
@@ -353,7 +388,7 @@ def _planned_pair(shape=(5,), dtype=torch.float32):
     for _ in range(2):
         _fresh_grads(params, torch.Generator().manual_seed(0))
         opt.step()
-    assert opt._plan is not None
+    _assert_planned(opt)
     return opt, params
 
 
@@ -402,6 +437,29 @@ def test_step_plan_does_not_fit_a_state_missing_an_entry(key):
     for _ in range(2):
         _fresh_grads(params, torch.Generator().manual_seed(0))
         opt.step()
-    assert opt._plan is not None and opt._plan.fits(opt)
+    _assert_planned(opt)
+    assert opt._plan.fits(opt)
     del opt.state[params[1]][key]
     assert not opt._plan.fits(opt)
+
+
+def _versions_run(planned: bool) -> list:
+    params = [torch.nn.Parameter(torch.randn(n).to(dt))
+              for n, dt in ((4, torch.float32), (9, torch.bfloat16))]
+    opt = AdamBridge(params, backend="native")
+    versions = []
+    with pytest.MonkeyPatch.context() as mp:
+        if not planned:
+            mp.setattr(step_plan, "eligible", lambda *args: False)
+        for _ in range(4):
+            _fresh_grads(params, torch.Generator().manual_seed(0))
+            opt.step()
+            versions.append([p._version for p in params])
+    if planned:
+        _assert_planned(opt)
+    return versions
+
+
+def test_step_plan_bumps_autograd_versions_as_the_full_path_does():
+    # A graph that saved a parameter must see the update (backward then refuses it).
+    assert _versions_run(planned=True) == _versions_run(planned=False)

@@ -33,7 +33,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger("adambridge.build")
 
@@ -120,6 +120,10 @@ class Plan:
     common_units: tuple[Unit, ...]
     absent_isas: tuple[str, ...]  # not built here: other architecture, or no source file
     key: str
+    lib_name: str = LIB_NAME   # the file the build leaves in its key directory
+    # How to compile and link it (plan, out_dir, until) -> report; None: compile_into. The
+    # torch-facts library (torch_build.py) brings its own, and shares the rest of the cache.
+    compile: Optional[Callable] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

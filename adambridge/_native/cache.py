@@ -27,10 +27,10 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from . import trusted
-from .build import (CSRC, INFO_HINT, IS_WINDOWS, LIB_NAME, MANIFEST, Built, Plan, _warn_once,
+from .build import (CSRC, INFO_HINT, IS_WINDOWS, MANIFEST, Built, Plan, _warn_once,
                     build_timeout, cache_root, compile_into, deadline, make_plan)
 
 log = logging.getLogger("adambridge.build")
@@ -75,37 +75,38 @@ def _open_root(root: Path) -> Optional[int]:
 
 def _from_cache(plan: Plan, root_fd: Optional[int], keydir: Path) -> Optional[Built]:
     """The published library in keydir, None when absent; Untrusted when unsafe to load."""
+    lib = keydir / plan.lib_name
     if root_fd is None:
-        if not (keydir / LIB_NAME).is_file():
+        if not lib.is_file():
             return None
         with contextlib.suppress(OSError, ValueError):
-            return Built(keydir / LIB_NAME, plan.key, plan.compiler,
+            return Built(lib, plan.key, plan.compiler,
                          json.loads((keydir / MANIFEST).read_text()).get("dropped", {}))
-        return Built(keydir / LIB_NAME, plan.key, plan.compiler)
+        return Built(lib, plan.key, plan.compiler)
     try:
         key_fd = trusted.open_child(root_fd, plan.key, str(keydir))
     except FileNotFoundError:
         return None
     try:
         try:
-            lib_fd, _ = trusted.open_file(key_fd, LIB_NAME, str(keydir / LIB_NAME))
+            lib_fd, _ = trusted.open_file(key_fd, plan.lib_name, str(lib))
         except FileNotFoundError:
             return None
         os.close(lib_fd)  # its content is the loader's to hash, on the descriptor it loads
         manifest = trusted.read_manifest(key_fd, MANIFEST, str(keydir / MANIFEST))
     finally:
         os.close(key_fd)
-    return Built(keydir / LIB_NAME, plan.key, plan.compiler, manifest.get("dropped", {}))
+    return Built(lib, plan.key, plan.compiler, manifest.get("dropped", {}))
 
 
 def _write_manifest(plan: Plan, out_dir: Path, report: dict) -> None:
     """out_dir/MANIFEST with the library's sha256 and size, written whole before it is published."""
-    data = (out_dir / LIB_NAME).read_bytes()
+    data = (out_dir / plan.lib_name).read_bytes()
     (out_dir / MANIFEST).write_text(json.dumps({
         "key": plan.key, "compiler": plan.compiler.describe(), "sha256": trusted.sha256(data),
         "size": len(data), **report}, indent=1))
     # NOTE: the linker honours the umask (often 002); the checks reject group-writable files.
-    os.chmod(out_dir / LIB_NAME, 0o755)
+    os.chmod(out_dir / plan.lib_name, 0o755)
     os.chmod(out_dir / MANIFEST, 0o644)
 
 
@@ -129,15 +130,15 @@ def _publish(plan: Plan, root: Path, root_fd: Optional[int], until: float) -> No
     tmp = _make_temp(f".{plan.key}.tmp-{_host()}-{os.getpid()}-", root)
     try:
         start = time.perf_counter()
-        _write_manifest(plan, tmp, compile_into(plan, tmp, until))
+        _write_manifest(plan, tmp, _compile(plan, tmp, until))
         keydir = root / plan.key
         if root_fd is None:
             keydir.mkdir(mode=0o700, exist_ok=True)
         else:
             os.close(trusted.open_child(root_fd, plan.key, str(keydir), create=True))
         os.replace(tmp / MANIFEST, keydir / MANIFEST)
-        os.replace(tmp / LIB_NAME, keydir / LIB_NAME)  # last: a present library is a complete one
-        log.info("adambridge: built %s in %.1f s", keydir / LIB_NAME, time.perf_counter() - start)
+        os.replace(tmp / plan.lib_name, keydir / plan.lib_name)  # last: a present library is a complete one
+        log.info("adambridge: built %s in %.1f s", keydir / plan.lib_name, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -184,14 +185,14 @@ def remove_dead_temps(root: Path) -> list:
     return removed
 
 
-def _remove_if_unchanged(keydir: Path, broken: trusted.Damaged) -> None:
+def _remove_if_unchanged(keydir: Path, lib_name: str, broken: trusted.Damaged) -> None:
     """Under the lock: delete the library that failed, unless another process replaced it since."""
     try:
-        now = os.lstat(keydir / LIB_NAME)
+        now = os.lstat(keydir / lib_name)
     except FileNotFoundError:
         return
     if broken.st is not None and trusted.same_file(now, broken.st):
-        for name in (LIB_NAME, MANIFEST):
+        for name in (lib_name, MANIFEST):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(keydir / name)
 
@@ -210,30 +211,40 @@ def _private_build(plan: Plan, reason: str, until: Optional[float] = None) -> Bu
     if known is None:
         out = _make_temp("adambridge-")
         atexit.register(shutil.rmtree, out, True)
-        report = compile_into(plan, out, until)
+        report = _compile(plan, out, until)
         _write_manifest(plan, out, report)
-        log.info("adambridge: built %s (private)", out / LIB_NAME)
-        known = _private[plan.key] = Built(out / LIB_NAME, plan.key, plan.compiler, report["dropped"],
+        log.info("adambridge: built %s (private)", out / plan.lib_name)
+        known = _private[plan.key] = Built(out / plan.lib_name, plan.key, plan.compiler, report["dropped"],
                                            private=True, fresh=True)
     return known
 
 
-def build_private(src_dir: Optional[Path], reason: str) -> Built:
+def _compile(plan: Plan, out_dir: Path, until: float) -> dict:
+    return (plan.compile or compile_into)(plan, out_dir, until)
+
+
+def _plan_for(src_dir: Optional[Path], planner: Optional[Callable], until: float) -> Plan:
+    if planner is not None:
+        return planner(until)
+    return make_plan(Path(src_dir) if src_dir is not None else CSRC, until=until)
+
+
+def build_private(src_dir: Optional[Path], reason: str, planner: Optional[Callable] = None) -> Built:
     """The private build of src_dir (see _private_build), for a cache that failed at load time."""
     until = deadline()
-    return _private_build(make_plan(Path(src_dir) if src_dir is not None else CSRC, until=until),
-                          reason, until)
+    return _private_build(_plan_for(src_dir, planner, until), reason, until)
 
 
 def build(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, *,
-          broken: Optional[trusted.Damaged] = None) -> Built:
+          broken: Optional[trusted.Damaged] = None, planner: Optional[Callable] = None) -> Built:
     """The library for src_dir, from the cache or compiled now (once across processes).
 
     broken: why the loader could not use the cached library; unless another process has
-    replaced that file meanwhile, it is deleted and built again.
+    replaced that file meanwhile, it is deleted and built again. planner: until -> Plan, for a
+    library other than the kernel's (torch_build.plan); src_dir is then not used.
     """
     until = deadline()  # one bound for discovery and every compiler call of this build
-    plan = make_plan(Path(src_dir) if src_dir is not None else CSRC, until=until)
+    plan = _plan_for(src_dir, planner, until)
     root = Path(os.path.realpath(cache_dir if cache_dir is not None else cache_root()))
     try:
         root_fd = _open_root(root)
@@ -249,7 +260,7 @@ def build(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None, *,
                 return found
         with _file_lock(root / f"{plan.key}.lock"):
             if broken is not None:
-                _remove_if_unchanged(keydir, broken)
+                _remove_if_unchanged(keydir, plan.lib_name, broken)
             found = _from_cache(plan, root_fd, keydir)  # another process may have built it meanwhile
             if found is None:
                 remove_dead_temps(root)

@@ -101,30 +101,31 @@ class Native:
 
 def _load_verified(built: build.Built) -> ctypes.CDLL:
     """CDLL of built.path after trusted.py checked and hashed that very file."""
-    return trusted.dlopen(trusted.verify_library(built.path.parent, build.LIB_NAME, build.MANIFEST))
+    return trusted.dlopen(trusted.verify_library(built.path.parent, built.path.name, build.MANIFEST))
 
 
-def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None) -> tuple[ctypes.CDLL, build.Built]:
-    """CDLL of the verified library (issue 10).
+def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None,
+            planner=None) -> tuple[ctypes.CDLL, build.Built]:
+    """CDLL of the verified library (issue 10); planner: see cache.build (torch_facts.py).
 
     A cached library that is damaged (its hash does not match) or does not load is deleted and
     rebuilt, with one warning; one that another user could have changed is never loaded: a
     private build is made instead. A library compiled by this call that fails is an error.
     """
-    built = cache.build(src_dir, cache_dir)
+    built = cache.build(src_dir, cache_dir, planner=planner)
     for _ in range(3):  # cache -> repaired cache -> private, at most
         try:
             return _load_verified(built), built
         except trusted.Untrusted as exc:
             if built.private:
                 raise _untrusted_private(built, exc) from None
-            built = cache.build_private(src_dir, str(exc))
+            built = cache.build_private(src_dir, str(exc), planner)
         except trusted.Damaged as exc:
             if built.fresh:
                 raise _unloadable(built, exc) from None
             build._warn_once("corrupt-cache", f"adambridge could not load its cached library: {exc}; "
                              f"it deletes it and builds it again.")
-            built = cache.build(src_dir, cache_dir, broken=exc)
+            built = cache.build(src_dir, cache_dir, broken=exc, planner=planner)
     raise _unloadable(built, "it kept changing while it was being loaded")
 
 

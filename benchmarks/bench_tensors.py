@@ -11,7 +11,9 @@ issue 13. Rows, interleaved, medians:
 - native, N tensors, adamw_update: N UpdateItems built and packed every step (what the
   optimizer's full path pays below its own per-parameter Python, before issue 13's plan);
 - AdamBridge.step(), N parameters: the whole optimizer step, its gradients the same tensors
-  every step (the cached step plan refreshes keys and hyperparameters only);
+  every step (the cached step plan refreshes keys and hyperparameters only), and the same with
+  the plan's checks made by its Python passes instead of the native ones (csrc_torch/), as on
+  a machine without a C++ compiler;
 - AdamBridge.step(), N parameters, new grad tensors: every step sees new p.grad tensors (as
   after zero_grad(set_to_none=True) and backward), so the plan takes in their pointers; the
   row includes its own N ``p.grad = g``, timed alone in the row after it;
@@ -29,7 +31,7 @@ import sys
 
 import torch
 
-from adambridge import AdamBridge, codecs
+from adambridge import AdamBridge, codecs, step_plan
 from adambridge import state as host_state
 from adambridge.functional import Hyper, NativeBatch, UpdateItem, adamw_update, stream_keys
 
@@ -91,11 +93,20 @@ def torch_fused_variant(params: Params):
     return opt.step
 
 
-def optimizer_variant(params: Params):
+def optimizer_variant(params: Params, python_checks: bool = False):
+    """python_checks: the plan built with its Python passes, as where no C++ compiler is."""
     ps = [torch.nn.Parameter(m.clone()) for m in params.masters]
     for p, g in zip(ps, params.grads):
         p.grad = g.clone()
     opt = AdamBridge(ps, lr=1e-4, weight_decay=0.01, precision="fp32", backend="native")
+    if python_checks:  # the plan is built by the first step and keeps its checks
+        kept, step_plan.FACTS_MIN_PARAMS = step_plan.FACTS_MIN_PARAMS, 1 << 62
+        try:
+            opt.step()
+        finally:
+            step_plan.FACTS_MIN_PARAMS = kept
+        if opt._plan is None or opt._plan.native is not None:
+            sys.exit("benchmark setup failed: no plan with Python checks")
     return opt.step
 
 
@@ -153,6 +164,7 @@ def main(numel: int, count: int, threads: int, repeats: int) -> None:
         f"native, {count} tensors, NativeBatch": batch_variant(many),
         f"native, {count} tensors, adamw_update": rebuilt_variant(many),
         f"AdamBridge.step(), {count} params": optimizer_variant(Params(numel, count)),
+        f"  the same, Python checks": optimizer_variant(Params(numel, count), python_checks=True),
         f"AdamBridge.step(), {count} params, new grads": optimizer_new_grads_variant(many),
         f"  of which setting {count} p.grad": grad_assignment_variant(many),
         f"torch AdamW(fused), {count} params": torch_fused_variant(many),

@@ -19,7 +19,8 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -334,6 +335,16 @@ class IOEngine:
             self.counters.add(wait_s=time.perf_counter() - began)
         else:
             future.result()
+
+    def wait_any(self, first: Any, others: list) -> None:
+        """Block until ``first`` or any of ``others`` is done (counted as I/O wait); raises
+        nothing (each request's own wait does)."""
+        began = time.perf_counter()
+        self._wait_any(first, others)
+        self.counters.add(wait_s=time.perf_counter() - began)
+
+    def _wait_any(self, first: Any, others: list) -> None:
+        wait_futures([first, *others], return_when=FIRST_COMPLETED)
 
     def drain(self, futures: list) -> Optional[BaseException]:
         """Wait for every request (so no buffer is still in use); return the first error."""

@@ -79,6 +79,14 @@ class PageStream:
         try:
             for i, (job, k) in enumerate(pages):
                 next_read = self._read_ahead(pages, i, next_read, ring, reads, writes)
+                # While page i's read is on its way, each write that lands frees a buffer:
+                # read into it at once, or the disk may run dry while the kernel runs next.
+                while next_read < len(pages) and not reads[i].done():
+                    pending = [w for w in writes if w is not None and not w.done()]
+                    if not pending:
+                        break
+                    self.pool.wait_any(reads[i], pending)
+                    next_read = self._read_ahead(pages, i, next_read, ring, reads, writes)
                 self.pool.wait(reads.pop(i))
                 began = time.perf_counter()
                 self._update(opt, job, k, ring[i % len(ring)], backend)

@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 from ctypes import POINTER, c_int, c_int32, c_uint32, c_uint64, c_void_p
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .nvme_io import (AlignedBuffer, DataFile, IOEngine, TierError, check_transfer,
                       transfer_error)
@@ -178,6 +178,14 @@ class UringEngine(IOEngine):
                 self._reap(0)
             finally:
                 self._lock.release()
+
+    def _wait_any(self, first: Any, others: list) -> None:
+        if not isinstance(first, UringRequest):  # a fresh page, made by a helper thread
+            first.exception()  # waits; its own wait raises
+            return
+        with self._lock:  # one completion of this ring, whichever it is
+            if first.res is None and all(r.res is None for r in others):
+                self._reap(1)
 
     def wait_for(self, request: UringRequest) -> None:
         while request.res is None:

@@ -19,7 +19,9 @@ cover: the torch backend, the NVMe tier, hooks, DTensors, device or non-contiguo
 A plan over at least FACTS_MIN_PARAMS parameters reads the tensor facts in native passes
 (_native/torch_facts.py, C++ against torch's headers) instead of the Python ones, where that
 library builds: the same facts, compared the same way, about a fifth of the time per
-parameter. The Python passes stay for small plans and for machines without a C++ compiler.
+parameter. The first such plan starts the library's build (about 10 s, once per torch
+version) on a thread and checks in Python until it is ready. The Python passes stay for
+small plans and for machines without a C++ compiler.
 """
 from __future__ import annotations
 
@@ -123,7 +125,24 @@ class StepPlan:
         self.state_keys, self.state_values = list(opt.state.keys()), list(opt.state.values())
         self.ran = False
         self._index_rows(opt, work)
-        self.native = _NativeFacts.make(self) if len(self.params) >= FACTS_MIN_PARAMS else None
+        self.native: Optional[_NativeFacts] = None
+        self.wants_native = len(self.params) >= FACTS_MIN_PARAMS
+        self._take_native_checks()
+
+    def _take_native_checks(self) -> None:
+        # Called where the plan's facts are those of the tensors now (at construction, and
+        # after Python checks that passed), so rows read now are the plan's.
+        if not self.wants_native or self.native is not None:
+            return
+        lib = torch_facts.loaded()
+        if lib is None:
+            if torch_facts.unavailable_reason() is not None:
+                self.wants_native = False  # not to be had in this process
+            else:
+                torch_facts.start_loading()  # built meanwhile; a later step takes it up
+            return
+        self.native = _NativeFacts.make(self, lib)
+        self.wants_native = self.native is not None  # a tensor it cannot read: never again
 
     def __len__(self) -> int:
         return len(self.params)
@@ -162,9 +181,11 @@ class StepPlan:
         if not (_same(flat, self.flat) and self._same_params() and self._same_states(opt)):
             return False
         grads_all = list(map(_grad_of, flat))
-        if _same(grads_all, self.grads_all) and self._same_grads():
-            return True
-        return self._take_grads(grads_all)
+        if not ((_same(grads_all, self.grads_all) and self._same_grads())
+                or self._take_grads(grads_all)):
+            return False
+        self._take_native_checks()  # once the library has been built
+        return True
 
     # NOTE: issue 13: each pass below is one C-level call per tensor, and after the kernel
     # has streamed the state through the caches each one also waits for that tensor's
@@ -347,11 +368,8 @@ class _NativeFacts:
             plan.versions = lib.versions(plan.copied)
 
     @classmethod
-    def make(cls, plan: StepPlan) -> Optional["_NativeFacts"]:
-        """The native checks of plan, or None (no library here, or a tensor it cannot read)."""
-        lib = torch_facts.load()
-        if lib is None:
-            return None
+    def make(cls, plan: StepPlan, lib: torch_facts.TorchFacts) -> Optional["_NativeFacts"]:
+        """The native checks of plan, or None (a tensor the library cannot read)."""
         param_rows = lib.read_rows(plan.params)
         grad_rows = lib.read_rows(plan.grads)  # the batch's gradients: p.grad, plain (eligible)
         if param_rows is None or grad_rows is None:

@@ -156,8 +156,11 @@ def validate(count: int) -> None:
 
 def main(numel: int, count: int, threads: int, repeats: int) -> None:
     from bench_kernels import time_interleaved
-    from adambridge._native import loader
+    from adambridge._native import loader, torch_facts
     validate(min(count, 500))
+    # Built (or loaded from the cache) now, so every plan below starts with native checks.
+    if torch_facts.load() is None:
+        print(f"note: no native plan checks here ({torch_facts.unavailable_reason()})")
     many, one = Params(numel, count), Params(numel, 1)
     variants = {
         "native, one tensor": rebuilt_variant(one),

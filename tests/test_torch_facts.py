@@ -4,6 +4,7 @@ it lives in the verified cache, and without a C++ compiler plans check in Python
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -100,7 +101,8 @@ def test_an_unfit_gradient_is_refused_and_nothing_written(lib, spoil):
     params[0].grad = torch.randn(params[0].shape)  # a new, fit one: would be taken
     spoil(params[1])
     assert not lib.take_grads(params, rows, column.data_ptr() + 8, 24)
-    assert torch.equal(rows, before) and not column.any()
+    # (the last word of a row is scratch)
+    assert torch.equal(rows[:, :-1], before[:, :-1]) and not column.any()
 
 
 def test_fit_gradients_are_written_into_rows_and_column(lib):
@@ -191,3 +193,41 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("ADAMBRIDGE_TORCH_FACTS", "0")
     assert torch_facts.load() is None
     assert "ADAMBRIDGE_TORCH_FACTS" in torch_facts.unavailable_reason()
+
+
+def test_a_plan_checks_in_python_until_the_library_is_ready_then_natively(lib, monkeypatch):
+    monkeypatch.setattr(step_plan, "FACTS_MIN_PARAMS", 1)
+    ready, started = [], []
+    monkeypatch.setattr(torch_facts, "loaded", lambda: ready[0] if ready else None)
+    monkeypatch.setattr(torch_facts, "start_loading", lambda: started.append(True))
+    params = _params((5,), (6, 2))
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = AdamBridge(params, backend="native"), AdamBridge(twins, backend="torch")
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 2:
+            ready.append(lib)  # the build finished between two steps
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        assert (opt._plan.native is not None) == (step >= 2), step
+        assert all(torch.equal(p, q) for p, q in zip(params, twins)), step
+    assert started  # the first plan asked for the build instead of waiting for it
+
+
+def test_start_loading_builds_on_a_thread_and_returns_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAMBRIDGE_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    torch_facts.reset()
+    try:
+        began = time.perf_counter()
+        torch_facts.start_loading()
+        torch_facts.start_loading()  # once per process
+        assert time.perf_counter() - began < 1.0 and len(torch_facts._loading) == 1
+        assert torch_facts.loaded() is None  # a build takes seconds
+        torch_facts._loading[0].join(timeout=300)
+        found = torch_facts.loaded()
+        assert found is not None and tmp_path in found.path.parents
+    finally:
+        torch_facts.reset()

@@ -6,6 +6,9 @@ pass. None of them raises for a mismatch: they say False, and the plan takes the
 which raises whatever is wrong. ``load()`` returns None (and ``unavailable_reason()`` says
 why) when the library cannot be had: no C++ compiler, no torch headers, Windows, or
 ``ADAMBRIDGE_TORCH_FACTS=0``; the plan then makes the same checks in Python.
+
+The first build takes about 10 s, so a step never waits for it: ``start_loading()`` runs
+``load()`` on a daemon thread, and ``loaded()`` answers at once with the library or None.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from . import build, loader, torch_build
 log = logging.getLogger("adambridge.build")
 
 ABI = 1              # AB_FACTS_ABI of step_facts.cpp
-ROW_WORDS = 12       # AB_ROW_WORDS: pointer, dtype code, dim, AB_MAX_DIM sizes, spare
+ROW_WORDS = 12       # AB_ROW_WORDS: pointer, dtype code, dim, AB_MAX_DIM sizes, scratch
 MAX_DIM = 8
 _ALL_MATCH = -1
 
@@ -65,7 +68,8 @@ class TorchFacts:
 
     def take_grads(self, params: list, rows: torch.Tensor, column: int, stride: int) -> bool:
         """Each parameter's gradient plain, with its row's dtype and sizes; if all are, each
-        pointer is written into its row and at ``column + i * stride`` (bytes)."""
+        pointer is written into its row and at ``column + i * stride`` (bytes). Either way
+        the last word of each row is scratch."""
         return self._fn["ab_take_grads"](params, rows.data_ptr(), column, stride) == _ALL_MATCH
 
     def same_states(self, dicts: list, keys: tuple, refs: torch.Tensor, ptrs: torch.Tensor,
@@ -109,6 +113,9 @@ def disabled() -> bool:
 
 _reason: list = []
 _lock = threading.Lock()
+_start_lock = threading.Lock()
+_loaded: list = []   # the TorchFacts, once load() has made it
+_loading: list = []  # the thread start_loading() started
 
 
 def load() -> Optional[TorchFacts]:
@@ -124,12 +131,40 @@ def _load() -> Optional[TorchFacts]:
     try:
         lib, built = loader._dlopen(planner=torch_build.plan)
         facts = TorchFacts(lib, built.path)
-    except (build.NativeBuildError, OSError, AttributeError) as exc:
-        # Only speed is lost: the plan checks the same facts in Python.
+    except (build.NativeBuildError, OSError, AttributeError, ValueError) as exc:
+        # Only speed is lost: the plan checks the same facts in Python. (ValueError: a bad
+        # ADAMBRIDGE_BUILD_TIMEOUT, which the kernel's own build reports.)
         _reason.append(str(exc))
         log.info("adambridge: no torch metadata pass (%s); step plans check in Python", exc)
         return None
+    _loaded.append(facts)
     return facts
+
+
+def start_loading() -> None:
+    """load() on a daemon thread, once per process (later calls do nothing)."""
+    with _start_lock:  # (not load's lock, which the thread holds for the whole build)
+        if _loading or _loaded or _reason or disabled():
+            return
+        thread = threading.Thread(target=load, name="adambridge-torch-facts", daemon=True)
+        _loading.append(thread)
+    thread.start()
+
+
+def _after_fork_in_child() -> None:
+    # The loading thread is not in the child, and it may have held the lock at the fork.
+    global _lock, _start_lock
+    _lock, _start_lock = threading.Lock(), threading.Lock()
+    _loading.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def loaded() -> Optional[TorchFacts]:
+    """The library if a load() has finished with it, else None; never waits."""
+    return None if disabled() or not _loaded else _loaded[0]
 
 
 def unavailable_reason() -> Optional[str]:
@@ -141,5 +176,9 @@ def unavailable_reason() -> Optional[str]:
 
 def reset() -> None:
     """Forget the loaded library (tests)."""
+    for thread in _loading:
+        thread.join()
     _load.cache_clear()
     _reason.clear()
+    _loaded.clear()
+    _loading.clear()

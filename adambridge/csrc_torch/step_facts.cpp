@@ -19,7 +19,7 @@
 
 #define AB_FACTS_ABI 1
 #define AB_FACTS_FAILED (-2)
-#define AB_ROW_WORDS 12   // ptr, dtype, dim, sizes[AB_MAX_DIM], spare
+#define AB_ROW_WORDS 12   // ptr, dtype, dim, sizes[AB_MAX_DIM], scratch
 #define AB_MAX_DIM 8
 #define AB_CHUNK 32       // rows whose pointers are prefetched together
 #define AB_EXPORT extern "C" __attribute__((visibility("default")))
@@ -143,7 +143,8 @@ AB_EXPORT int64_t ab_check_rows(PyObject* list, const int64_t* rows) {
 // The gradients of params: each must be a plain tensor with its row's dtype and sizes (the
 // row's pointer is not compared: a new gradient tensor each step is the common case). When
 // all are, each pointer goes into its row and into the descriptor column (column +
-// i * stride_bytes), and -1 is returned; otherwise nothing is written.
+// i * stride_bytes), and -1 is returned; otherwise nothing but the rows' scratch words is
+// written.
 AB_EXPORT int64_t ab_take_grads(PyObject* params, int64_t* rows, char* column,
                                 int64_t stride_bytes) {
   try {
@@ -151,16 +152,17 @@ AB_EXPORT int64_t ab_take_grads(PyObject* params, int64_t* rows, char* column,
     Py_ssize_t n = PyList_GET_SIZE(params);
     for (Py_ssize_t s = 0; s < n; s += AB_CHUNK) {
       Py_ssize_t count = chunk_impls(params, s, s + AB_CHUNK < n ? s + AB_CHUNK : n, true, impls);
-      for (Py_ssize_t k = 0; k < count; k++)
-        if (!impls[k] || !plain(impls[k]) || !same_layout(impls[k], rows + (s + k) * AB_ROW_WORDS))
-          return s + k;
+      for (Py_ssize_t k = 0; k < count; k++) {
+        int64_t* row = rows + (s + k) * AB_ROW_WORDS;
+        if (!impls[k] || !plain(impls[k]) || !same_layout(impls[k], row)) return s + k;
+        row[AB_ROW_WORDS - 1] = address(impls[k]);  // the spare word holds it until all pass
+      }
     }
-    // Every gradient passed: a second walk (its metadata is warm now) writes the pointers.
+    // Every gradient passed: the pointers go in from the rows (the tensors are cold again).
     for (Py_ssize_t i = 0; i < n; i++) {
-      const at::Tensor& grad = THPVariable_Unpack(PyList_GET_ITEM(params, i)).grad();
-      int64_t ptr = address(grad.unsafeGetTensorImpl());
-      rows[i * AB_ROW_WORDS] = ptr;
-      *reinterpret_cast<int64_t*>(column + i * stride_bytes) = ptr;
+      int64_t* row = rows + i * AB_ROW_WORDS;
+      row[0] = row[AB_ROW_WORDS - 1];
+      *reinterpret_cast<int64_t*>(column + i * stride_bytes) = row[0];
     }
     return -1;
   } catch (...) {
@@ -253,8 +255,13 @@ AB_EXPORT int64_t ab_same_dict(PyObject* dict, const int64_t* keys, const int64_
 AB_EXPORT int64_t ab_bump_versions(PyObject* list) {
   Py_ssize_t i = 0;
   try {
-    for (Py_ssize_t n = PyList_GET_SIZE(list); i < n; i++)
-      impl_of(PyList_GET_ITEM(list, i))->bump_version();
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t s = 0; s < n; s += AB_CHUNK) {
+      Py_ssize_t end = s + AB_CHUNK < n ? s + AB_CHUNK : n;
+      for (Py_ssize_t k = s; k < end; k++) prefetch(PyList_GET_ITEM(list, k));
+      for (Py_ssize_t k = s; k < end; k++) prefetch(impl_of(PyList_GET_ITEM(list, k)));
+      for (i = s; i < end; i++) impl_of(PyList_GET_ITEM(list, i))->bump_version();
+    }
     return -1;
   } catch (...) {
     return i;

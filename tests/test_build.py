@@ -346,3 +346,31 @@ def test_import_compiles_nothing(tmp_path):
                PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_child_forked_during_a_build_does_not_hold_its_lock(tmp_path):
+    # Another process waiting for the lock must get it once the parent is done, even while
+    # a child forked in the middle of the build (a DataLoader worker) still runs.
+    import fcntl
+    import signal
+    lock = tmp_path / "k.lock"
+    ready_r, ready_w = os.pipe()
+    with cachemod._file_lock(lock):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child says it runs, then waits to be killed
+            import time
+            os.write(ready_w, b"1")  # (the at-fork handlers have run by now)
+            time.sleep(60)
+            os._exit(0)
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    os.close(ready_w)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -39,10 +39,28 @@ _TEMP_NAME = re.compile(r"^\.[0-9a-f]{32}\.tmp-(?:(?P<host>.+)-(?P<pid>\d+)-)?[a
 STALE_AFTER = 3600.0  # seconds; a temp dir older than this (and the build timeout) is dead
 
 
+_held_locks: set = set()  # descriptors of the build locks this process holds now
+
+
+def _drop_inherited_locks() -> None:
+    # A child forked during a build (a DataLoader worker while the torch-facts library builds
+    # on its thread) shares the lock's open file: flock is released only when every copy is
+    # closed, so the child would hold up other processes' builds until it exits.
+    for fd in list(_held_locks):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock across processes, held for the with block (the file stays)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    _held_locks.add(fd)
     try:
         if IS_WINDOWS:
             import msvcrt
@@ -62,6 +80,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
     finally:
+        _held_locks.discard(fd)
         os.close(fd)  # closing also releases flock
 
 

@@ -51,7 +51,7 @@ class _Wrapped(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(func)
+        raise RuntimeError(f"{func} is not for this test double")
 
 
 SPOILED = {

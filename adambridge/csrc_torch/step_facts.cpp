@@ -93,27 +93,18 @@ Py_ssize_t chunk_impls(PyObject* list, Py_ssize_t start, Py_ssize_t end, bool gr
   return end - start;
 }
 
-}  // namespace
-
-AB_EXPORT int ab_facts_abi(void) { return AB_FACTS_ABI; }
-
-// Fill rows (len(list) x AB_ROW_WORDS int64) with each tensor's (or, grads != 0, its
-// gradient's) pointer, dtype code and sizes. -1, or the first row a plan cannot hold.
-AB_EXPORT int64_t ab_read_rows(PyObject* list, int64_t* rows, int grads) {
+// Walk list's TensorImpls (or its gradients') chunk by chunk, calling ok(impl, i) for each
+// (impl null for a missing gradient): -1 when every call says true, else the first i that
+// does not, AB_FACTS_FAILED when something throws.
+template <typename Ok>
+int64_t first_unfit(PyObject* list, bool grads, Ok ok) {
   try {
     c10::TensorImpl* impls[AB_CHUNK];
     Py_ssize_t n = PyList_GET_SIZE(list);
     for (Py_ssize_t s = 0; s < n; s += AB_CHUNK) {
       Py_ssize_t count = chunk_impls(list, s, s + AB_CHUNK < n ? s + AB_CHUNK : n, grads, impls);
-      for (Py_ssize_t k = 0; k < count; k++) {
-        const c10::TensorImpl* impl = impls[k];
-        if (!impl || !plain(impl) || impl->dim() > AB_MAX_DIM) return s + k;
-        int64_t* row = rows + (s + k) * AB_ROW_WORDS;
-        row[0] = address(impl);
-        row[1] = static_cast<int64_t>(impl->dtype().toScalarType());
-        row[2] = impl->dim();
-        for (int64_t d = 0; d < impl->dim(); d++) row[3 + d] = impl->sizes()[d];
-      }
+      for (Py_ssize_t k = 0; k < count; k++)
+        if (!ok(impls[k], s + k)) return s + k;
     }
     return -1;
   } catch (...) {
@@ -121,23 +112,30 @@ AB_EXPORT int64_t ab_read_rows(PyObject* list, int64_t* rows, int grads) {
   }
 }
 
+}  // namespace
+
+AB_EXPORT int ab_facts_abi(void) { return AB_FACTS_ABI; }
+
+// Fill rows (len(list) x AB_ROW_WORDS int64) with each tensor's (or, grads != 0, its
+// gradient's) pointer, dtype code and sizes. -1, or the first row a plan cannot hold.
+AB_EXPORT int64_t ab_read_rows(PyObject* list, int64_t* rows, int grads) {
+  return first_unfit(list, grads != 0, [rows](const c10::TensorImpl* impl, Py_ssize_t i) {
+    if (!impl || !plain(impl) || impl->dim() > AB_MAX_DIM) return false;
+    int64_t* row = rows + i * AB_ROW_WORDS;
+    row[0] = address(impl);
+    row[1] = static_cast<int64_t>(impl->dtype().toScalarType());
+    row[2] = impl->dim();
+    for (int64_t d = 0; d < impl->dim(); d++) row[3 + d] = impl->sizes()[d];
+    return true;
+  });
+}
+
 // Whether each tensor of list still is a plain tensor with its row's pointer, dtype and sizes.
 AB_EXPORT int64_t ab_check_rows(PyObject* list, const int64_t* rows) {
-  try {
-    c10::TensorImpl* impls[AB_CHUNK];
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    for (Py_ssize_t s = 0; s < n; s += AB_CHUNK) {
-      Py_ssize_t count = chunk_impls(list, s, s + AB_CHUNK < n ? s + AB_CHUNK : n, false, impls);
-      for (Py_ssize_t k = 0; k < count; k++) {
-        const int64_t* row = rows + (s + k) * AB_ROW_WORDS;
-        if (!plain(impls[k]) || address(impls[k]) != row[0] || !same_layout(impls[k], row))
-          return s + k;
-      }
-    }
-    return -1;
-  } catch (...) {
-    return AB_FACTS_FAILED;
-  }
+  return first_unfit(list, false, [rows](const c10::TensorImpl* impl, Py_ssize_t i) {
+    const int64_t* row = rows + i * AB_ROW_WORDS;
+    return plain(impl) && address(impl) == row[0] && same_layout(impl, row);
+  });
 }
 
 // The gradients of params: each must be a plain tensor with its row's dtype and sizes (the
@@ -147,27 +145,20 @@ AB_EXPORT int64_t ab_check_rows(PyObject* list, const int64_t* rows) {
 // written.
 AB_EXPORT int64_t ab_take_grads(PyObject* params, int64_t* rows, char* column,
                                 int64_t stride_bytes) {
-  try {
-    c10::TensorImpl* impls[AB_CHUNK];
-    Py_ssize_t n = PyList_GET_SIZE(params);
-    for (Py_ssize_t s = 0; s < n; s += AB_CHUNK) {
-      Py_ssize_t count = chunk_impls(params, s, s + AB_CHUNK < n ? s + AB_CHUNK : n, true, impls);
-      for (Py_ssize_t k = 0; k < count; k++) {
-        int64_t* row = rows + (s + k) * AB_ROW_WORDS;
-        if (!impls[k] || !plain(impls[k]) || !same_layout(impls[k], row)) return s + k;
-        row[AB_ROW_WORDS - 1] = address(impls[k]);  // the spare word holds it until all pass
-      }
-    }
-    // Every gradient passed: the pointers go in from the rows (the tensors are cold again).
-    for (Py_ssize_t i = 0; i < n; i++) {
-      int64_t* row = rows + i * AB_ROW_WORDS;
-      row[0] = row[AB_ROW_WORDS - 1];
-      *reinterpret_cast<int64_t*>(column + i * stride_bytes) = row[0];
-    }
-    return -1;
-  } catch (...) {
-    return AB_FACTS_FAILED;
+  int64_t found = first_unfit(params, true, [rows](const c10::TensorImpl* impl, Py_ssize_t i) {
+    int64_t* row = rows + i * AB_ROW_WORDS;
+    if (!impl || !plain(impl) || !same_layout(impl, row)) return false;
+    row[AB_ROW_WORDS - 1] = address(impl);  // the scratch word holds it until all pass
+    return true;
+  });
+  if (found != -1) return found;
+  // Every gradient passed: the pointers go in from the rows (the tensors are cold again).
+  for (Py_ssize_t i = 0, n = PyList_GET_SIZE(params); i < n; i++) {
+    int64_t* row = rows + i * AB_ROW_WORDS;
+    row[0] = row[AB_ROW_WORDS - 1];
+    *reinterpret_cast<int64_t*>(column + i * stride_bytes) = row[0];
   }
+  return -1;
 }
 
 // Each dict of dicts must map keys[j] to the very object refs[i * nkeys + j] (an address), and

@@ -19,6 +19,8 @@ from _readme import example
 
 ROOT = Path(__file__).resolve().parent.parent
 GIVEN = ["--host-bw", "200", "--host-ram", "1500", "--numa-nodes", "1"]
+MACHINE = dict(machine=dict(cpu="cpu", cpus=2), versions=dict(adambridge="0", torch="t", python="3"),
+               isa=dict(backend="native/x"), threads=dict(native=2, torch=2), facts={})
 
 
 @pytest.fixture(autouse=True)
@@ -142,6 +144,29 @@ def test_plan_bench_json_prints_planned_and_measured_side_by_side(tmp_path, caps
     path.write_text(json.dumps({"rows": []}))
     assert cli.main(["plan", "--bench-json", str(path), "--gpu", "H100", *GIVEN]) == 2
     assert "no params, tokens_per_step: not a bench_step.py --json file" in capsys.readouterr().err
+
+
+def test_plan_lab_phase_is_the_plan_table_in_the_report(tmp_path):
+    from adambridge.lab import phases, presets, report as lab_report
+    _, options = presets.resolve("all", {"plan_gpu": "H100", "plan_params": "7B", "plan_check": "false"})
+    assert presets.PRESETS["all"].phases[-1] == "plan"
+    section = phases.plan(phases.Context(folder=tmp_path, options=options, progress=lambda f, m: None))
+    assert section.name == "plan" and section.rows[0][0] == "all-GPU AdamW"
+    assert any(n.startswith("Recommendation: ") for n in section.notes)
+    lab_report.write_report(tmp_path, preset="all", title="t", sections=[section], status="complete",
+                            machine=MACHINE, wall_seconds=1.0)
+    assert "## Will offload pay here?" in (tmp_path / "report.md").read_text()
+    assert lab_report.read_report(tmp_path)["sections"][0]["figures"]["plan"]["model"]["total"] == 7e9
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"plan_gpu": "H300"}, r"Invalid option plan_gpu: 'H300' \(one of H200, "),
+    ({"plan_params": "-1"}, r"Invalid option plan_params: '-1' \(a parameter count"),
+], ids=["gpu", "params"])
+def test_plan_lab_options_are_checked_in_one_line(options, message):
+    from adambridge.lab import presets
+    with pytest.raises(presets.PresetError, match=message):
+        presets.resolve("all", options)
 
 
 def _blocks_after(heading: str, count: int) -> list:

@@ -1,4 +1,4 @@
-"""python -m adambridge: info (diagnose and self-check), build, bench, demo, lab."""
+"""python -m adambridge: info (diagnose and self-check), build, bench, demo, lab, plan."""
 from __future__ import annotations
 
 import argparse
@@ -188,12 +188,18 @@ def cmd_lab(argv: Sequence[str]) -> int:
     return app.main(list(argv))
 
 
+def cmd_plan(argv: Sequence[str]) -> int:
+    from .plan import cli as plan_cli
+    return plan_cli.main(list(argv))
+
+
 COMMANDS = {
     "info": (cmd_info, "print versions, ISA, NUMA and cache facts; run a tiny native-vs-torch step"),
     "build": (cmd_build, "compile the native kernel now and print the library path"),
     "bench": (cmd_bench, "run benchmarks/bench_kernels.py (source checkout only); arguments forwarded"),
     "demo": (cmd_demo, "run the demo (adambridge.lab.demo); arguments forwarded"),
     "lab": (cmd_lab, "serve the adambridge-lab page; `lab run --preset quick` runs headless"),
+    "plan": (cmd_plan, "will offload pay here? bytes, seconds and a recommendation (docs/planning.md)"),
 }
 
 

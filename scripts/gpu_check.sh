@@ -6,9 +6,11 @@
 #
 # Budget: under 8 minutes, enforced per part by `timeout` and overall by a deadline; a hung
 # test dumps every thread's stack (tests/gpu/conftest.py) and only its file stops. Writes
-# at most 7 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
+# at most 8 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
 # `python -m adambridge info`), gpu_tests.log, junit_{pipeline,ordering,capture}.xml,
-# bench_step_gpu.{md,json}. Exit status: 0 all passed, 1 a part failed, 2 no CUDA device.
+# bench_step_gpu.{md,json}, plan.txt (the plan for the benchmark's model on this card and
+# host, its predicted step times and GPU memory beside the measured ones, and --check's
+# host update). Exit status: 0 all passed, 1 a part failed, 2 no CUDA device.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -72,6 +74,15 @@ done
 run_part 110 "$OUT_DIR/bench_step_gpu.md" "$PYTHON" benchmarks/bench_step.py --preset gpu \
   --precisions bf16,fp8 --max-seconds 30 --sweep --sweep-seconds 40 \
   --json "$OUT_DIR/bench_step_gpu.json"
+
+# The plan beside the benchmark: the card found, this host measured, bench_step's model.
+if [ -f "$OUT_DIR/bench_step_gpu.json" ]; then
+  run_part 45 "$OUT_DIR/plan.txt" "$PYTHON" -m adambridge plan \
+    --bench-json "$OUT_DIR/bench_step_gpu.json" --check
+else
+  echo "gpu_check: no bench_step_gpu.json, so no plan beside it" | tee -a "$OUT_DIR/plan.txt"
+  status=1
+fi
 
 echo "gpu_check: $([ "$status" -eq 0 ] && echo "all passed" || echo "FAILURES (see logs)");" \
   "$((SECONDS))s; outputs in $OUT_DIR"

@@ -88,6 +88,25 @@ def demo(ctx: Context) -> Section:
     return section
 
 
+# ---------------------------------------------------------------------------- the plan
+
+def plan(ctx: Context) -> Section:
+    """adambridge plan for the options' model on this host, with --check's measurement."""
+    from ..plan import check, hardware, plan as make_plan, report as plan_report
+    gpu, note = ctx.options.get("plan_gpu"), []
+    if gpu is None and hardware.cuda_device() is None:
+        gpu, note = "H100", ["no CUDA device here: planned for an H100 (option plan_gpu)"]
+    ctx.step(0.1, "measuring the host")
+    planned = make_plan(params=ctx.options.get("plan_params") or "7e9", gpu=gpu,
+                        tokens_per_step=ctx.options.get("plan_tokens") or 4096)
+    ctx.step(0.5, "running the host update")
+    checked = (check.run_check(planned.host.bw_gbps, planned.host.bw_source)
+               if ctx.options.get("plan_check", True) else None)
+    section = Section(**plan_report.section(planned, checked))
+    section.notes += note
+    return section
+
+
 # ---------------------------------------------------------------------------- the tests
 
 _PERCENT = re.compile(r"\[\s*(\d+)%\]\s*$")

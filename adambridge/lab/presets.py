@@ -11,6 +11,7 @@ PHASE_TITLES = {
     "step": "Training step (bench_step.py)",
     "demo": "Fine-tuning comparison (demo)",
     "finetune": "Fine-tuning a causal LM (finetune_llm.py)",
+    "plan": "Will offload pay here? (adambridge plan)",
 }
 
 
@@ -80,6 +81,23 @@ def _test_targets(name: str, value: Any) -> list:
     return targets
 
 
+def _plan_params(name: str, value: Any) -> str:
+    from ..plan.errors import PlanError
+    from ..plan.model import parse_count
+    try:
+        parse_count(name, value)
+    except PlanError:
+        raise PresetError(f"Invalid option {name}: {value!r} (a parameter count such as 7e9 or 7B)") from None
+    return str(value)
+
+
+def _plan_gpu(name: str, value: Any) -> str:
+    from ..plan.hardware import known_gpus, table_gpu
+    if table_gpu(str(value)) is None:
+        raise PresetError(f"Invalid option {name}: {value!r} (one of {known_gpus()})")
+    return str(value)
+
+
 OPTIONS = {
     "threads": Option(_int(1), "threads for the kernels and torch (default: all CPUs)"),
     "sizes": Option(_sizes, "kernel sizes in parameters, comma-separated (e.g. 1M,8M)"),
@@ -90,10 +108,15 @@ OPTIONS = {
     "step_seconds": Option(_int(1), "time budget of the step benchmark's timed rounds"),
     "finetune_steps": Option(_int(1), "fine-tuning steps per configuration (finetune_llm.py)"),
     "tests": Option(_test_targets, "what pytest runs (paths or node ids)"),
+    "plan_params": Option(_plan_params, "plan: the model's parameter count (e.g. 7e9)"),
+    "plan_gpu": Option(_plan_gpu, "plan: the GPU (default: the CUDA card found, else H100)"),
+    "plan_tokens": Option(_int(1), "plan: tokens per step per GPU"),
+    "plan_check": Option(_bool, "plan: also run the host update and print predicted vs measured"),
 }
 
 _COMMON = dict(threads=None, sizes="8M,64M", repeats=9, torch_backend=True, demo_preset=None, demo_steps=None,
-               step_seconds=240, finetune_steps=None, tests="tests")
+               step_seconds=240, finetune_steps=None, tests="tests", plan_params="7e9", plan_gpu=None,
+               plan_tokens=4096, plan_check=True)
 
 PRESETS = {p.name: p for p in [
     Preset("quick", "two small kernel sizes and a tiny demo: well under a minute",
@@ -106,8 +129,8 @@ PRESETS = {p.name: p for p in [
     Preset("finetune", "finetune_llm.py (a GPU model; offline tiny model on a CPU)",
            ("finetune",), _COMMON),
     Preset("tests", "the test suite (pytest) with a table per test file", ("tests",), _COMMON),
-    Preset("all", "tests, kernels, step, demo and finetune, one after another",
-           ("tests", "kernels", "step", "demo", "finetune"), _COMMON),
+    Preset("all", "tests, kernels, step, demo, finetune and plan, one after another",
+           ("tests", "kernels", "step", "demo", "finetune", "plan"), _COMMON),
 ]}
 
 

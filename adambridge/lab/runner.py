@@ -21,7 +21,7 @@ from .report import Section, machine_facts, write_report
 
 PHASES: Mapping[str, Callable[[phases.Context], Section]] = {
     "tests": phases.tests, "kernels": bench_phases.kernels, "step": bench_phases.step,
-    "demo": phases.demo, "finetune": bench_phases.finetune,
+    "demo": phases.demo, "finetune": bench_phases.finetune, "plan": phases.plan,
 }
 PROGRESS = "progress.json"
 

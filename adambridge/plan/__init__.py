@@ -1,0 +1,154 @@
+"""adambridge.plan: will offload pay on this machine, and how should it be set up?
+
+``plan(...)`` turns a model (a count or a config.json), the work per step, a GPU and the
+host (measured here unless given) into a `Plan`: a row per setup (all-GPU AdamW, AdamBridge
+at each moment precision, sharded over the ranks, with the NVMe tier) and a recommendation
+in the offload article's order. ``python -m adambridge plan`` prints it; docs/planning.md
+names every formula. Importing this package imports neither transformers nor the native
+library: each is loaded only when a config is counted or the host is measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from . import arithmetic, setups
+from .advise import Advice, advise, choose_precision
+from .errors import PlanError, invalid
+from .hardware import GpuSpec, HostSpec, resolve_gpu, resolve_host
+from .model import ModelFacts, model_facts, parse_count
+from .setups import Inputs, Nvme, Row, Work
+
+__all__ = ["plan", "Plan", "Row", "Advice", "PlanError"]
+PARALLEL = ("ddp", "fsdp2")
+Number = Union[str, float, int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a plan decided from, every row, and the recommendation."""
+    model: ModelFacts
+    work: Work
+    gpu: GpuSpec
+    host: HostSpec
+    nvme: Nvme
+    host_reserve: float
+    gpu_usable_gb: float
+    host_usable_gb: float
+    rows: tuple
+    advice: Advice
+    notes: tuple
+
+    def row(self, name: str) -> Row:
+        """The row whose name starts with ``name`` ("all-GPU", "AdamBridge bf16 moments")."""
+        found = [r for r in self.rows if r.name.startswith(name)]
+        if not found:
+            raise KeyError(f"no row {name!r}; rows: {', '.join(r.name for r in self.rows)}")
+        return found[0]
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data (what ``--json`` prints)."""
+        data = dataclasses.asdict(self)
+        data["rows"] = [dict(dataclasses.asdict(r), fits=r.fits) for r in self.rows]
+        data["advice"]["numbers"] = dict(self.advice.numbers)
+        return data
+
+
+def _number(name: str, value: Number, *, minimum: float = 0.0, above: bool = True,
+            whole: bool = False, below: Optional[float] = None) -> float:
+    """A checked number: > minimum (or >= with above=False), optionally whole and < below."""
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise invalid(name, value, "expected a number") from None
+    low_ok = number > minimum if above else number >= minimum
+    if not math.isfinite(number) or not low_ok or (below is not None and number >= below):
+        bound = f"{'>' if above else '>='} {minimum:g}" + (f" and < {below:g}" if below is not None else "")
+        raise invalid(name, value, f"expected a number {bound}")
+    if whole and number != int(number):
+        raise invalid(name, value, "expected a whole number")
+    return number
+
+
+def _optional(name: str, value: Optional[Number], **kwargs) -> Optional[float]:
+    return None if value is None else _number(name, value, **kwargs)
+
+
+def plan(*, params: Optional[Number] = None, model: Optional[str] = None,
+         trainable: Optional[Number] = None, lora_rank: Optional[Number] = None,
+         lora_targets: Union[None, str, Sequence[str]] = None,
+         tokens_per_step: Number = 4096, accumulation: Number = 1, gpus: Number = 1,
+         parallel: str = "ddp", activations_gb: Number = 0, gpu: Optional[str] = None,
+         gpu_memory: Optional[Number] = None, gpu_tflops: Optional[Number] = None,
+         link_gbps: Optional[Number] = None, hbm_gbps: Optional[Number] = None,
+         host_bw: Optional[Number] = None, host_ram: Optional[Number] = None,
+         numa_nodes: Optional[Number] = None, host_reserve: Number = 0.10,
+         nvme_gbps: Number = 7.0, drive_tb: Number = 3.84, dwpd: Number = 1.0) -> Plan:
+    """The plan for a model on a GPU and this host (keywords mirror the command's flags:
+    ``tokens_per_step`` is ``--tokens-per-step``; sizes in GB, rates in GB/s and TFLOP/s).
+
+    Deterministic for given inputs; only ``host_bw`` and ``host_ram`` left out are
+    measured here (and the GPU, when ``gpu`` is left out, is the CUDA card found).
+    """
+    facts = model_facts(params=params, model=model, trainable=trainable, lora_rank=lora_rank,
+                        lora_targets=lora_targets)
+    work = _work(tokens_per_step, accumulation, gpus, parallel, activations_gb)
+    gpu_spec = resolve_gpu(gpu, memory_gb=_optional("gpu_memory", gpu_memory),
+                           tflops=_optional("gpu_tflops", gpu_tflops),
+                           link_gbps=_optional("link_gbps", link_gbps),
+                           hbm_gbps=_optional("hbm_gbps", hbm_gbps))
+    nvme = Nvme(_number("nvme_gbps", nvme_gbps), _number("drive_tb", drive_tb), _number("dwpd", dwpd))
+    reserve = _number("host_reserve", host_reserve, above=False, below=1.0)
+    nodes = _optional("numa_nodes", numa_nodes, minimum=1, above=False, whole=True)
+    host = resolve_host(bw_gbps=_optional("host_bw", host_bw), ram_gb=_optional("host_ram", host_ram),
+                        numa_nodes=None if nodes is None else int(nodes))
+    inp = Inputs(facts, work, gpu_spec, host, nvme, reserve)
+    return assemble(inp)
+
+
+def _work(tokens_per_step, accumulation, gpus, parallel, activations_gb) -> Work:
+    tokens = parse_count("tokens_per_step", tokens_per_step)
+    if tokens != int(tokens):
+        raise invalid("tokens_per_step", tokens_per_step, "expected a whole number of tokens")
+    passes = int(_number("accumulation", accumulation, minimum=1, above=False, whole=True))
+    if passes > tokens:
+        raise invalid("accumulation", accumulation, f"more passes than the {tokens:,.0f} tokens per step")
+    if parallel not in PARALLEL:
+        raise invalid("parallel", parallel, f"one of {', '.join(PARALLEL)}")
+    return Work(int(tokens), passes, int(_number("gpus", gpus, minimum=1, above=False, whole=True)),
+                parallel, _number("activations_gb", activations_gb, above=False))
+
+
+def assemble(inp: Inputs) -> Plan:
+    """The rows and the advice for checked inputs."""
+    base = setups.all_gpu(inp)
+    singles = {p: setups.offload(inp, p, base) for p in arithmetic.PRECISIONS}
+    sharded = ({p: setups.offload(inp, p, base, sharded=True) for p in arithmetic.PRECISIONS}
+               if inp.work.parallel == "ddp" and inp.work.gpus > 1 else {})
+    chosen = choose_precision(sharded or singles)
+    nvme_row = setups.nvme(inp, chosen or "fp8", base)
+    rows = [base, *singles.values()]
+    if sharded:
+        rows.append(sharded[chosen or "bf16"])
+    rows.append(nvme_row)
+    return Plan(model=inp.model, work=inp.work, gpu=inp.gpu, host=inp.host, nvme=inp.nvme,
+                host_reserve=inp.host_reserve, gpu_usable_gb=inp.gpu_usable / arithmetic.GB,
+                host_usable_gb=inp.host_usable / arithmetic.GB, rows=tuple(rows),
+                advice=advise(inp, base, singles, sharded, nvme_row, chosen), notes=_notes(inp))
+
+
+def _notes(inp: Inputs) -> tuple:
+    notes = []
+    if inp.work.activations_gb == 0:
+        notes.append("activations are not counted on the GPU (give --activations-gb)")
+    if "NOT measured" in inp.host.bw_source:
+        notes.append(f"host bandwidth {inp.host.bw_source}")
+    if inp.host.numa_nodes > 1:
+        notes.append(f"{inp.host.numa_nodes} NUMA nodes: each GPU's host work runs on its own "
+                     f"node, so {min(inp.work.gpus, inp.host.numa_nodes)} of them share "
+                     f"{arithmetic.effective_host_bw(inp.host.bw_gbps, inp.work.gpus, inp.host.numa_nodes):.0f} GB/s")
+    if inp.work.parallel == "fsdp2":
+        notes.append("FSDP2: AdamBridge rows use synchronous step() on the GPU shards (no overlap)")
+    return tuple(notes)

@@ -1,0 +1,93 @@
+"""A plan as a person reads it (the setup lines, one table, the recommendation) or as JSON."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+COLUMNS = ("setup", "GPU GB p+g+s", "fits", "host GB", "link GB", "link s", "update s",
+           "bwd s", "exposed s", "step s", "vs GPU", "hides at", "NVMe s", "DWPD", "life mo")
+
+
+def _num(value: Optional[float], digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    return f"{value:,.0f}" if abs(value) >= 10 ** digits else f"{value:.{digits}g}"
+
+
+def _tokens(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1e3:,.1f}K" if value >= 1e3 else f"{value:.0f}"
+
+
+def _fits(row) -> str:
+    if row.fits:
+        return "yes"
+    return "no: " + "+".join(w for w, ok in (("GPU", row.gpu_fits), ("host", row.host_fits)) if not ok)
+
+
+def cells(row) -> list:
+    """One table row as the strings the table prints."""
+    gpu = f"{row.gpu_params_gb:,.1f}+{row.gpu_grads_gb:,.1f}+{row.gpu_state_gb:,.1f}"
+    return [row.name, gpu, _fits(row), _num(row.host_ram_gb), _num(row.link_gb), _num(row.link_s),
+            _num(row.host_update_s), _num(row.backward_s), _num(row.exposed_s), _num(row.step_s),
+            f"{row.vs_all_gpu:.2f}x", _tokens(row.hiding_tokens), _num(row.nvme_s),
+            _num(row.drive_writes_per_day), _num(row.drive_life_months)]
+
+
+def setup_lines(plan) -> list:
+    m, w, g, h, n = plan.model, plan.work, plan.gpu, plan.host, plan.nvme
+    cpus = "/".join(str(c) for c in h.cpus_per_node)
+    return [
+        f"model: {m.total:,} parameters, {m.trainable:,} trainable ({m.source}; {m.trainable_source})",
+        f"work: {w.tokens_per_step:,} tokens per step per GPU in {w.accumulation} pass(es), "
+        f"{w.gpus} GPU(s), {w.parallel}",
+        f"GPU: {g.name}, {g.memory_gb:,.1f} GB ({plan.gpu_usable_gb:,.1f} usable), {g.tflops:g} "
+        f"TFLOP/s bf16 achieved, link {g.link_gbps:g} GB/s"
+        f"{f' (PCIe Gen{g.pcie_gen})' if g.pcie_gen else ''}, memory {g.hbm_gbps:,.0f} GB/s [{g.source}]",
+        f"host: {h.bw_gbps:.1f} GB/s [{h.bw_source}], {h.ram_gb:,.1f} GB RAM "
+        f"({plan.host_usable_gb:,.1f} usable) [{h.ram_source}], {h.numa_nodes} NUMA node(s), "
+        f"CPUs per node {cpus}",
+        f"NVMe: {n.gbps:g} GB/s, {n.drive_tb:g} TB rated {n.dwpd:g} DWPD",
+    ]
+
+
+def table(rows: list, columns=COLUMNS) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(c)) for c in column) for column in zip(columns, *rows)]
+    lines = []
+    for index, row in enumerate([list(columns), *rows]):
+        parts = [str(row[0]).ljust(widths[0])] + [str(c).rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(parts).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(plan) -> str:
+    """The whole plan as text: setup lines, the table, the recommendation and its reasons."""
+    out = setup_lines(plan) + ["", table([cells(r) for r in plan.rows]), "",
+                               f"Recommendation: {plan.advice.summary}"]
+    out += [f"  {reason}" for reason in plan.advice.reasons]
+    out += [f"note: {note}" for note in plan.notes]
+    return "\n".join(out)
+
+
+def to_json(plan, check=None) -> str:
+    data = plan.to_dict()
+    if check is not None:
+        data["check"] = check.to_dict()
+    return json.dumps(data, indent=2)
+
+
+def section(plan, check=None) -> dict:
+    """The fields of a lab report section (adambridge.lab.report.Section) for this plan."""
+    notes = [f"Recommendation: {plan.advice.summary}", *plan.advice.reasons, *plan.notes]
+    if check is not None:
+        notes += check.lines()
+    return dict(name="plan", title="Will offload pay here? (adambridge plan)",
+                setup="; ".join(setup_lines(plan)), columns=list(COLUMNS),
+                rows=[cells(r) for r in plan.rows], notes=notes,
+                figures=dict(plan=plan.to_dict(), check=check.to_dict() if check else None))

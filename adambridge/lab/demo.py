@@ -87,6 +87,7 @@ class Setup:
     init_state: dict
     seed: int
     below_half_ulp: Optional[float] = None  # share of weights where an update of lr rounds away
+    start_dtype: torch.dtype = torch.float32  # what the shared starting weights were rounded to
 
 
 def lr_lambda(steps: int, warmup: float):
@@ -234,6 +235,23 @@ def prepare(args: argparse.Namespace, preset: Preset, device: torch.device) -> t
     return setup, source
 
 
+def stored_dtype(configs: Sequence[Config]) -> torch.dtype:
+    """The dtype whose values every configuration's weights hold exactly: bf16 when any stores bf16."""
+    low = {c.weights for c in configs} - {torch.float32}
+    assert len(low) <= 1, f"one start cannot be exact in each of {low}"  # CONFIGS use fp32 and bf16
+    return low.pop() if low else torch.float32
+
+
+def shared_start(state: dict, dtype: torch.dtype) -> dict:
+    """The pretrained weights rounded to `dtype` (kept as fp32 tensors): the start of every run.
+
+    Rounded once for all, so that a configuration storing bf16 weights starts from the very
+    values, and so the very loss, of the fp32 reference: the comparison then measures the
+    optimizers, never the cast.
+    """
+    return {k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def run_all(setup: Setup, configs: list[Config], noise_runs: int,
             progress: ProgressFn = None) -> list[dict]:
     """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
@@ -243,7 +261,8 @@ def run_all(setup: Setup, configs: list[Config], noise_runs: int,
     bar = report_mod.progress_bar(setup.preset.pretrain_steps + len(plan) * setup.steps, progress)
     try:
         bar.set_description("pretraining (shared)")
-        setup.init_state = pretrain(setup, bar)
+        setup.start_dtype = stored_dtype(configs)
+        setup.init_state = shared_start(pretrain(setup, bar), setup.start_dtype)
         setup.below_half_ulp = dm.below_half_ulp_fraction(setup.init_state, setup.preset.lr)
         runs = []
         for config, data_seed, noise in plan:
@@ -311,8 +330,14 @@ def describe(setup: Setup, args: argparse.Namespace, source: str) -> dict:
         steps=setup.steps, batch=p.batch, ctx=p.ctx, lr=p.lr, pretrain_steps=p.pretrain_steps,
         pretrain_lr=p.pretrain_lr, weight_decay=p.weight_decay, betas=list(p.betas),
         warmup=p.warmup, schedule="linear warm-up, cosine decay to 0", seed=setup.seed,
-        lr_below_half_bf16_ulp=setup.below_half_ulp,
+        lr_below_half_bf16_ulp=setup.below_half_ulp, start_weights=_start_weights(setup.start_dtype),
         noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def _start_weights(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "from the same pretrained fp32 weights"
+    return f"from the same weights: the pretrained ones rounded to {dm.DTYPE_NAMES[dtype]}"
 
 
 def _start_loss(runs: list[dict]) -> float:

@@ -58,13 +58,28 @@ def noise_band(runs: Sequence[Mapping], reference: str) -> Optional[float]:
     return max(abs(x - ref["final_val_loss"]) for x in others)
 
 
-def verdict(run: Mapping, ref: Optional[Mapping], band: Optional[float]) -> str:
-    """How a run's final loss compares with the reference's: within the noise band is a tie."""
+def loss_delta(run: Mapping, ref: Mapping, *, by_reduction: bool = False) -> float:
+    """How much worse a run ends than the reference (positive: worse).
+
+    by_reduction: the reference's reduction of the loss from its own start minus the run's, so
+    that a run starting from other weights (a cast, another initialisation) is judged by what
+    its optimizer did, not by where it began. Equal to the final-loss difference when both
+    runs start from the same loss.
+    """
+    delta = run["final_val_loss"] - ref["final_val_loss"]
+    if by_reduction:
+        delta -= run["start_val_loss"] - ref["start_val_loss"]
+    return delta
+
+
+def verdict(run: Mapping, ref: Optional[Mapping], band: Optional[float], *,
+            by_reduction: bool = False) -> str:
+    """How a run compares with the reference (see loss_delta): within the noise band is a tie."""
     if ref is None or run is ref:
         return "reference" if run is ref else ""
     if run.get("noise_run"):
         return "noise run"
-    delta = run["final_val_loss"] - ref["final_val_loss"]
+    delta = loss_delta(run, ref, by_reduction=by_reduction)
     if band is not None and abs(delta) <= band:
         return "tie"
     return "worse" if delta > 0 else "better"

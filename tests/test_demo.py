@@ -1,10 +1,18 @@
 """python -m adambridge demo: the data split, the bf16-changed fraction, the table, and one tiny run."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from adambridge.lab import demo, demo_model as dm, demo_report, report as lab_report
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_split_tokens_disjoint_complete_and_spread():
@@ -164,3 +172,43 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and section["plots"] == [png.name]
     else:
         assert "matplotlib is not installed" in printed
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", r"^adambridge demo: Invalid --device 'cuda': this torch (is a CPU-only build|\(CUDA .*\) sees no GPU); "
+             r"use --device cpu"),
+    ("cuda:3", r"^adambridge demo: Invalid --device 'cuda:3': "),
+    ("gpu", r"^adambridge demo: Invalid --device 'gpu': choose cpu, cuda or cuda:N$"),
+], ids=["cuda", "cuda:3", "gpu"])
+def test_demo_device_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, device, message):
+    from adambridge import cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine is tested as one without
+    out = tmp_path / "report"
+    assert cli.main(["demo", "--preset", "tiny", "--device", device, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.match(message, err.strip()), err
+    assert not out.exists()
+
+
+def test_demo_interrupted_leaves_no_empty_report_folder(tmp_path):
+    out = tmp_path / "report"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "adambridge", "demo", "--preset", "tiny", "--device", "cpu",
+                             "--steps", "400", "--out", str(out)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = ""
+        while "pretraining" not in seen:  # the experiment has begun; the folder exists by now
+            line = proc.stderr.read(1)
+            assert line, f"the demo ended early: {proc.stdout.read()}"
+            seen += line
+        assert out.is_dir()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted before any result; nothing was written" in err
+    assert not out.exists()

@@ -303,10 +303,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+class DeviceError(ValueError):
+    """--device names a device this machine cannot run the demo on: one line why."""
+
+
 def pick_device(requested: Optional[str]) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The demo's device: the one asked for once it is known to work here, else cuda or cpu."""
+    if not requested:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise DeviceError(f"Invalid --device {requested!r}: choose cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"this torch (CUDA {torch.version.cuda}) sees no GPU")
+        raise DeviceError(f"Invalid --device {requested!r}: {why}; use --device cpu (or install "
+                          "a CUDA build of torch on a machine with a GPU)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"Invalid --device {requested!r}: this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceError(f"Invalid --device {requested!r}: the demo runs on cpu or cuda")
+    return device
 
 
 def pick_preset(args: argparse.Namespace, device: torch.device) -> Preset:
@@ -379,12 +398,29 @@ def main(argv: Sequence[str] = ()) -> int:
     args = parse_args(argv)
     out = Path(args.out or f"adambridge-demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     try:
+        pick_device(args.device)  # before the report folder exists
+        made = not out.exists()
         lab_report.check_writable(out)
-    except lab_report.ReportDirError as exc:
+    except (DeviceError, lab_report.ReportDirError) as exc:
         print(f"adambridge demo: {exc}", file=sys.stderr)
         return 1
-    report = experiment(args)
+    try:
+        report = experiment(args)
+    except KeyboardInterrupt:
+        return _interrupted(out, made)
     print(report["table"])
     why_not = write_files(report, out)
     print(f"report: {out / 'report.json'}" + (f"; {why_not}" if why_not else f", plot: {out / PLOT}"))
     return 0
+
+
+def _interrupted(out: Path, made: bool) -> int:
+    """Ctrl-C before the results: remove the report folder this run made (it is still empty)."""
+    if made and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+        where = f"removed the empty {out}"
+    else:
+        where = f"left {out} as it was"
+    print(f"\nadambridge demo: interrupted before any result; nothing was written ({where})",
+          file=sys.stderr)
+    return 130

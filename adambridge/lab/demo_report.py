@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict
+from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict, verdicts_line
 
 MIB = 1 << 20
 
@@ -151,7 +151,12 @@ def format_table(report: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(_setup_lines(report) + lines + _notes(report))
+    return "\n".join(_setup_lines(report) + lines + _notes(report) + ["verdict: " + conclusion(report)])
+
+
+def conclusion(report: dict) -> str:
+    """The comparison in one line: each configuration's verdict against the reference."""
+    return verdicts_line(report["runs"], "reference", report["noise_band"])
 
 
 def section(report: dict, plots: list[str]) -> Section:
@@ -159,6 +164,7 @@ def section(report: dict, plots: list[str]) -> Section:
     head, rows = table_rows(report)
     return Section(name="demo", title="Fine-tuning comparison (demo)", setup="; ".join(_setup_lines(report)),
                    columns=head, rows=rows, notes=_notes(report), plots=plots,
+                   conclusion=conclusion(report),
                    figures=dict(setup=report["setup"], runs=report["runs"],
                                 noise_band=report["noise_band"],
                                 start_val_loss=report["start_val_loss"]))

@@ -26,6 +26,7 @@ import torch
 from adambridge import codecs, state as host_state
 from adambridge._native import loader
 from adambridge.functional import Hyper, UpdateItem, adamw_update
+from adambridge.lab import trust
 
 # Bytes per parameter each variant must move (read + write).
 #   native:  p 4+4, g 2, m/v (4+4)*2 | (2+2)*2 | (1+1)*2 + scales, out 2
@@ -141,21 +142,37 @@ def floor_variant(scratch: Buffers, precision: str) -> Callable[[], None]:
     return lambda: loader.memory_pass(items)
 
 
-def time_interleaved(variants: dict, repeats: int) -> dict:
+def time_samples(variants: dict, repeats: int, monitor: Optional[trust.LoadMonitor] = None) -> dict:
+    """Every variant's seconds per repeat, interleaved (A B C ... A B C ...) after a warm-up run
+    of each; the machine's load is read before each timed run (outside it)."""
     for run in variants.values():  # warm up: page faults, pool start, JIT
         run()
     samples = {name: [] for name in variants}
     for _ in range(repeats):
         for name, run in variants.items():
+            if monitor is not None:
+                monitor.sample()
             start = time.perf_counter()
             run()
             samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def medians(samples: dict) -> dict:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def report(numel: int, threads: int, medians: dict, bytes_per: dict) -> None:
+def time_interleaved(variants: dict, repeats: int, threads: int) -> tuple:
+    """The median seconds of each variant, and whether the timings can be trusted."""
+    monitor = trust.LoadMonitor(threads)
+    samples = time_samples(variants, repeats, monitor)
+    return medians(samples), trust.judge(samples, monitor)
+
+
+def report(numel: int, threads: int, medians: dict, bytes_per: dict, verdict: trust.Trust) -> None:
     print(f"\nsetup: {platform.machine()} {loader.isa_name()}, {threads} threads, "
           f"{numel / 2**20:.0f}M params, bf16 grads and weights, torch {torch.__version__}")
+    print(verdict.line)
     print(f"{'variant':36s} {'ms':>9s} {'GB/s':>7s} {'vs all-CPU':>11s} {'of own floor':>13s}")
     alternative = medians[ALTERNATIVE]
     for name, seconds in medians.items():
@@ -208,13 +225,14 @@ def main(argv=None) -> None:
     if ds is not None:
         variants["DeepSpeed CPU Adam (fp32 update)"] = ds
         bytes_per["DeepSpeed CPU Adam (fp32 update)"] = 4 + 4 + 4 + 16  # p r/w, fp32 g, m and v r/w
-    medians = time_interleaved(variants, args.repeats)
+    monitor = trust.LoadMonitor(threads)
+    samples = time_samples(variants, args.repeats, monitor)
     if not args.no_torch_backend:
         torch_items = items_for(buffers, "fp32", 1)
-        medians["torch backend fp32 moments"] = time_interleaved(
-            {"t": lambda: adamw_update(torch_items, "torch")}, 2)["t"]
+        samples["torch backend fp32 moments"] = time_samples(
+            {"t": lambda: adamw_update(torch_items, "torch")}, 2, monitor)["t"]
         bytes_per["torch backend fp32 moments"] = BYTES["fp32"]
-    report(numel, threads, medians, bytes_per)
+    report(numel, threads, medians(samples), bytes_per, trust.judge(samples, monitor))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import peft  # noqa: E402
 import transformers  # noqa: E402
 
 from adambridge import AdamBridge  # noqa: E402
+from adambridge.lab import trust  # noqa: E402
 
 
 def lora_model(args) -> torch.nn.Module:
@@ -82,10 +83,13 @@ def main() -> None:
     batches = [torch.randint(0, 1024, (args.batch, args.seq), generator=g).to(args.device)
                for _ in range(args.warmup + args.steps)]
     times = {name: [] for name in names}
+    monitor = trust.LoadMonitor(torch.get_num_threads())
     for i, batch in enumerate(batches):
         for name in names:
             if args.device == "cuda":
                 torch.cuda.synchronize()
+            if i >= args.warmup:
+                monitor.sample()
             start = time.perf_counter()
             step(*runs[name], batch, args.clip)
             if args.device == "cuda":
@@ -106,6 +110,7 @@ def main() -> None:
           f"{args.batch}x{args.seq}, {args.device}: {len(sizes)} adapters, {sum(sizes)} "
           f"trainable elements (largest {max(sizes)}); load average "
           f"{os.getloadavg()[0]:.2f}")
+    print(trust.judge(times, monitor).line)
     base = statistics.median(times[names[0]])
     for name in names:
         median = statistics.median(times[name])

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adambridge import AdamBridge  # noqa: E402
+from adambridge.lab import trust  # noqa: E402
 from adambridge.nvme import OffloadConfig  # noqa: E402
 from adambridge.nvme_engine import open_engine  # noqa: E402
 from adambridge.nvme_io import AlignedBuffer  # noqa: E402
@@ -240,7 +241,9 @@ def _measure(args, directory: Path) -> dict:
         pass
     times = {"ram": [], "tier": [], "io_wait": [], "commit": [], "chained": [], "together": [],
              **{k: [] for k in floors}}
+    monitor = trust.LoadMonitor(args.threads or os.cpu_count() or 1)
     for _ in range(args.repeats):
+        monitor.sample()
         times["ram"].append(_step(ram, ram_params, grads))
         times["tier"].append(_step(tier, params, grads))
         times["io_wait"].append(tier.last_step_stats.io_wait_s)
@@ -251,6 +254,7 @@ def _measure(args, directory: Path) -> dict:
         times["together"].append(side_by_side(floors["floor"], ram, ram_params, grads))
     for floor in floors.values():
         floor.close()
+    verdict = trust.judge({k: times[k] for k in ("ram", "tier", "floor")}, monitor)
     med = {k: statistics.median(v) for k, v in times.items()}
     med.setdefault("floor_other", None)
     med["fio"] = fio_seconds(directory, nbytes, layout.record_bytes, args.queue_depth)
@@ -273,6 +277,7 @@ def _measure(args, directory: Path) -> dict:
         tier_gbps=2 * nbytes / step_s / 1e9,
         floor_gbps=2 * nbytes / med["floor"] / 1e9,
         dwpd_3_84tb=tier._tier.drive_writes_per_day(int(3.84e12), step_s=step_s),
+        trust=verdict.figures, trust_line=verdict.line,
     )
 
 
@@ -284,6 +289,7 @@ def report(result: dict) -> None:
           f"per step, O_DIRECT {'yes' if setup['direct'] else 'no'}, dir {setup['dir']}, "
           f"{setup['backend']}, kernel threads {setup['threads'] or 'all'}, I/O engine "
           f"{setup['io_engine']}, {setup['cpus']} cpus, load average {setup['load_average']:.1f}")
+    print(result["trust_line"])
     print("| variant | ms | GB/s (read+write) |\n|---|---:|---:|")
     nbytes = 2 * setup["bytes_each_way"]
     rows = [("in-RAM step", s["ram"]), ("tier step", s["tier"]),

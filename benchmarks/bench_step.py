@@ -36,6 +36,7 @@ from torch import nn
 
 import adambridge
 from adambridge import AdamBridge
+from adambridge.lab import trust
 
 PRESETS = {
     #        blocks width heads vocab batch seq  warmup timed
@@ -190,7 +191,7 @@ def state_mib(variant: Variant) -> tuple[float, float]:
 
 
 def time_variants(variants: list, cfg: dict, device: torch.device, tokens: torch.Tensor,
-                  max_seconds: float) -> tuple[dict, dict]:
+                  max_seconds: float, monitor: Optional[trust.LoadMonitor] = None) -> tuple[dict, dict]:
     """Interleaved steps: {name: [seconds]}, {name: [(host update, step_sync wait)]}."""
     times: dict = {v.name: [] for v in variants}
     host: dict = {v.name: [] for v in variants}
@@ -198,6 +199,8 @@ def time_variants(variants: list, cfg: dict, device: torch.device, tokens: torch
     for round_index in range(cfg["warmup"] + cfg["timed"]):
         for variant in variants:
             _sync(device)
+            if monitor is not None and round_index >= cfg["warmup"]:
+                monitor.sample()
             start = time.perf_counter()
             variant.step(tokens)
             _sync(device)
@@ -237,13 +240,16 @@ def run(preset: str, names: list, max_seconds: float, batch: Optional[int] = Non
     validate(cfg, device, init)
     peaks = {name: peak_memory(name, cfg, device, init, tokens) for name in names}
     variants = [build(name, cfg, device, init) for name in names]
-    times, host = time_variants(variants, cfg, device, tokens, max_seconds)
+    monitor = trust.LoadMonitor(torch.get_num_threads())
+    times, host = time_variants(variants, cfg, device, tokens, max_seconds, monitor)
+    verdict = trust.judge(times, monitor)
     rows = [_row(v, times[v.name], host[v.name], peaks[v.name]) for v in variants]
     params = sum(p.numel() for p in variants[0].model.parameters())
     backend = next((v.opt.backend for v in variants if isinstance(v.opt, AdamBridge)), "-")
     _detach(variants)
     return dict(preset=preset, params=params, tokens_per_step=cfg["batch"] * cfg["seq"],
-                backend=backend, rows=rows, setup=setup_line(device))
+                backend=backend, rows=rows, setup=setup_line(device), trust=verdict.figures,
+                trust_line=verdict.line)
 
 
 def sweep(preset: str, precision: str, batches: list, max_seconds: float) -> dict:
@@ -258,7 +264,8 @@ def sweep(preset: str, precision: str, batches: list, max_seconds: float) -> dic
                            async_ms=ours["median_ms"], ratio=ours["median_ms"] / base["median_ms"],
                            peak_ratio=(ours["peak_gib"] / base["peak_gib"]
                                        if base["peak_gib"] else None),
-                           host_mib=ours["state_mib"], pinned_mib=ours["pinned_mib"]))
+                           host_mib=ours["state_mib"], pinned_mib=ours["pinned_mib"],
+                           trust_line=result["trust_line"], trusted=result["trust"]["trusted"]))
         gc.collect()
     crossover = None  # the smallest size from which every larger one is within CROSSOVER
     for point in reversed(points):
@@ -281,6 +288,8 @@ def sweep_table(result: dict) -> str:
     where = (f"at {result['crossover_tokens']} tokens/step" if result["crossover_tokens"]
              else "not reached in this sweep")
     lines += ["", f"Crossover (async within {result['threshold']:.2f}x of AdamW): {where}."]
+    lines += [f"{p['tokens']} tokens/step: {p['trust_line']}" for p in result["points"]
+              if not p.get("trusted", True)]
     return "\n".join(lines)
 
 
@@ -305,7 +314,8 @@ def table(result: dict) -> str:
     base = rows.get("torch AdamW")
     lines = [f"Setup: {result['setup']}; backend {result['backend']}; {result['params'] / 1e6:.1f}M "
              f"params, {result['tokens_per_step']} tokens/step, median of "
-             f"{min(r['steps'] for r in result['rows'])}+ interleaved steps.", "",
+             f"{min(r['steps'] for r in result['rows'])}+ interleaved steps.",
+             *([result["trust_line"]] if "trust_line" in result else []), "",
              "| variant | step ms | vs torch AdamW | async vs sync | host update ms | "
              "step_sync wait ms | d2h / h2d ms | GPU peak GiB | host MiB (pinned) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -173,10 +173,11 @@ def main(numel: int, count: int, threads: int, repeats: int) -> None:
         f"torch AdamW(fused), {count} params": torch_fused_variant(many),
         "torch AdamW(fused), one param": torch_fused_variant(one),
     }
-    medians = time_interleaved(variants, repeats)
+    medians, verdict = time_interleaved(variants, repeats, threads)
     per = numel // count
     print(f"\nsetup: {loader.isa_name()}, {threads} threads, {count} fp32 tensors of {per} elements "
           f"({per * count / 1e6:.1f}M) against one of the same total, torch {torch.__version__}")
+    print(verdict.line)
     base = medians["native, one tensor"]
     fused = medians[f"torch AdamW(fused), {count} params"]
     print(f"{'variant':44s} {'ms':>9s} {'vs native one':>14s} {'vs torch fused N':>17s}")
@@ -238,10 +239,12 @@ def pipeline_main(count: int, repeats: int) -> None:
         "forward + backward + sync step()": Chain(count, "sync"),
         "forward + backward with hooks + step_sync()": Chain(count, "hooks"),
     }
-    medians = time_interleaved({name: chain.run for name, chain in chains.items()}, repeats)
+    medians, verdict = time_interleaved({name: chain.run for name, chain in chains.items()}, repeats,
+                                        torch.get_num_threads())
     grads = 2 * max(1, count // 2)
     print(f"\nasync pipeline: {count // 2} Linear({LAYER}, {LAYER}) layers, {grads} gradients "
           f"({LAYER * LAYER} and {LAYER} elements), every one hooked, CPU")
+    print(verdict.line)
     base = medians["forward + backward, no hooks"]
     print(f"{'variant':44s} {'ms':>9s} {'grads/s':>10s} {'us/grad over plain':>19s}")
     for name, seconds in medians.items():

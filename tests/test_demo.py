@@ -1,10 +1,18 @@
 """python -m adambridge demo: the data split, the bf16-changed fraction, the table, and one tiny run."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from adambridge.lab import demo, demo_model as dm, demo_report, report as lab_report
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_split_tokens_disjoint_complete_and_spread():
@@ -71,6 +79,31 @@ def test_verdict_calls_ties_within_the_noise_band():
     assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)  # failures ignored
 
 
+def test_verdict_by_reduction_judges_what_the_optimizer_did_not_where_it_began():
+    ref = dict(_run("ref", 2.0), start_val_loss=2.5)
+    cast = dict(_run("x", 2.0012), start_val_loss=2.5012)  # the same reduction, from a worse start
+    assert lab_report.loss_delta(cast, ref) == pytest.approx(0.0012)
+    assert lab_report.verdict(cast, ref, band=0.0005) == "worse"
+    assert lab_report.loss_delta(cast, ref, by_reduction=True) == pytest.approx(0.0, abs=1e-12)
+    assert lab_report.verdict(cast, ref, band=0.0005, by_reduction=True) == "tie"
+    slower = dict(_run("y", 2.0012), start_val_loss=2.5)   # the same start, less reduced
+    assert lab_report.verdict(slower, ref, band=0.0005, by_reduction=True) == "worse"
+    report = dict(runs=[ref, cast, slower], noise_band=0.0005, start_val_loss=2.5,
+                  setup=dict(device="cpu"))
+    _, rows = demo_report.table_rows(report)
+    assert rows[1][3:5] == ["+0.0000 tie", "100%"] and rows[2][3:5] == ["+0.0012 worse", "100%"]
+    assert demo_report.start_line(report["runs"]).endswith("each is judged by its own reduction")
+
+
+def test_demo_shared_start_is_exact_in_every_configurations_weights():
+    state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(0)), "i": torch.arange(3)}
+    start = demo.shared_start(state, demo.stored_dtype(list(demo.CONFIGS.values())))
+    assert start["w"].dtype == torch.float32 and torch.equal(start["i"], state["i"])
+    assert torch.equal(start["w"].bfloat16().float(), start["w"])  # a bf16 copy is the same values
+    assert not torch.equal(start["w"], state["w"])
+    assert demo.stored_dtype([demo.CONFIGS["reference"]]) == torch.float32
+
+
 def test_text_bar_draws_on_stderr(capsys):
     bar = demo_report.TextBar(4)
     bar.set_description("reference")
@@ -116,6 +149,12 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     for run in report["runs"]:
         assert run["final_val_loss"] > 0 and 0 <= run["bf16_changed"] <= 1
         assert len(run["train_curve"]) == 6 and run["val_curve"][-1][0] == 6
+    # one start for all: bf16 and fp32 weights hold the same values, so the verdict measures
+    # the optimizers and not the cast of the starting weights to bf16
+    starts = {r["config"]: r["start_val_loss"] for r in report["runs"]}
+    assert len(set(starts.values())) == 1, starts
+    assert f"every configuration starts at validation loss {report['start_val_loss']:.4f}" in printed
+    assert "rounded to bf16" in printed and "the verdict measures the optimizer" in printed
     modes = {r["config"]: r["mode"] for r in report["runs"]}
     assert modes["adambridge-fp32"] in ("sync", "async") and modes["bf16-only"] == "sync"
     state = {r["config"]: r["state_bytes_per_param"] for r in report["runs"]}
@@ -133,3 +172,43 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and section["plots"] == [png.name]
     else:
         assert "matplotlib is not installed" in printed
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", r"^adambridge demo: Invalid --device 'cuda': this torch (is a CPU-only build|\(CUDA .*\) sees no GPU); "
+             r"use --device cpu"),
+    ("cuda:3", r"^adambridge demo: Invalid --device 'cuda:3': "),
+    ("gpu", r"^adambridge demo: Invalid --device 'gpu': choose cpu, cuda or cuda:N$"),
+], ids=["cuda", "cuda:3", "gpu"])
+def test_demo_device_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, device, message):
+    from adambridge import cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine is tested as one without
+    out = tmp_path / "report"
+    assert cli.main(["demo", "--preset", "tiny", "--device", device, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.match(message, err.strip()), err
+    assert not out.exists()
+
+
+def test_demo_interrupted_leaves_no_empty_report_folder(tmp_path):
+    out = tmp_path / "report"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "adambridge", "demo", "--preset", "tiny", "--device", "cpu",
+                             "--steps", "400", "--out", str(out)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = ""
+        while "pretraining" not in seen:  # the experiment has begun; the folder exists by now
+            line = proc.stderr.read(1)
+            assert line, f"the demo ended early: {proc.stdout.read()}"
+            seen += line
+        assert out.is_dir()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted before any result; nothing was written" in err
+    assert not out.exists()

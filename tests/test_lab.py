@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from adambridge import cli
-from adambridge.lab import bench_phases, phases, presets, report as lab_report, runner
+from adambridge.lab import bench_phases, phases, presets, report as lab_report, runner, trust
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINE = dict(machine=dict(cpu="cpu", cpus=2), versions=dict(adambridge="0", torch="t", python="3"),
@@ -72,6 +74,18 @@ def test_report_written_read_listed_and_rendered(tmp_path):
         lab_report.write_report(folder, preset="q", title="T", sections=[], status="done", machine=MACHINE)
 
 
+def test_report_verdicts_line_judges_each_run_by_its_own_reduction():
+    def run(config, label, start, final, **extra):
+        return dict(config=config, label=label, start_val_loss=start, final_val_loss=final, **extra)
+    runs = [run("adamw", "AdamW", 3.0, 2.0), run("ab", "AdamBridge bf16", 3.001, 2.0012),
+            run("b16", "BF16-only", 3.001, 2.5), run("adamw", "AdamW, order 1", 3.0, 2.0004, noise_run=True),
+            dict(config="bnb", label="bitsandbytes", not_installed="bitsandbytes")]
+    band = lab_report.noise_band(runs, "adamw")
+    assert lab_report.verdicts_line(runs, "adamw", band) == (
+        "against AdamW: AdamBridge bf16 tie (+0.0002), BF16-only worse (+0.4990); noise band 0.0004")
+    assert lab_report.verdicts_line(runs[1:3], "adamw", None) == "no reference run finished: nothing to compare"
+
+
 def test_report_dir_that_cannot_be_written_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(lab_report.ReportDirError, match=r"cannot write reports to .*file.*--reports DIR"):
@@ -98,6 +112,10 @@ def test_runner_one_failing_phase_keeps_the_others_and_marks_the_run_failed(tmp_
     assert seen[0]["state"] == "running" and seen[0]["phase"] == "kernels"
     progress = json.loads((tmp_path / runner.PROGRESS).read_text())
     assert progress["state"] == "failed" and lab_report.read_report(tmp_path)["status"] == "failed"
+    # finished: past every phase, and a message of its own rather than the last phase's
+    assert progress["phase"] is None and progress["phase_index"] == 2
+    assert re.fullmatch(r"2 of 2 phases ran in \d+ s; failed: demo", progress["message"])
+    assert report["sections"][1]["conclusion"].startswith("failed: needs a source checkout")
 
 
 # ---------------------------------------------------------------------------- phases
@@ -128,6 +146,7 @@ def test_phases_tests_runs_pytest_and_tables_each_file(tmp_path):
     assert section.status == "failed" and "exited with status 1: 1 failed" in section.error
     (name, passed, failed, skipped, _), = section.rows
     assert name.endswith("test_lab_target.py") and (passed, failed, skipped) == ("1", "1", "1")
+    assert section.conclusion == f"1 of 2 tests failed (1 skipped), in {name}"
     assert "test_bad" in section.notes[0] and seen and seen[-1] == 1.0
 
 
@@ -136,14 +155,23 @@ def test_phases_step_table_is_the_one_bench_step_prints(tmp_path, monkeypatch):
     rows = [dict(variant=v, median_ms=ms, steps=8, peak_gib=None, state_mib=1.0,
                  host_update_ms=h, sync_wait_ms=h) for v, ms, h in
             [("torch AdamW", 10.0, None), ("adambridge sync bf16", 12.0, 2.0), ("adambridge async bf16", 9.0, 1.0)]]
+    # a machine with 4 other runnable threads beside the step's 2 on 2 CPUs (an injected reading)
+    monitor = trust.LoadMonitor(2, reader=lambda threads: 4.0, cpus=2)
+    monitor.sample()
+    verdict = trust.judge({r["variant"]: [r["median_ms"]] * 3 for r in rows}, monitor)
     monkeypatch.setattr(bench_step, "run", lambda preset, names, seconds: dict(
-        preset=preset, params=1000, tokens_per_step=256, backend="native/x", rows=rows, setup="cpu"))
+        preset=preset, params=1000, tokens_per_step=256, backend="native/x", rows=rows, setup="cpu",
+        trust=verdict.figures, trust_line=verdict.line))
     monkeypatch.setattr(bench_phases, "load_script", lambda name: bench_step)
     section = bench_phases.step(phases.Context(tmp_path, dict(step_seconds=5, threads=None), lambda f, m: None))
     assert section.columns[:3] == ["variant", "step ms", "vs torch AdamW"]
     assert [r[0] for r in section.rows] == [r["variant"] for r in rows]
     assert section.rows[2][1:4] == ["9.0", "0.90x", "0.75x"]  # async vs torch, async vs sync
     assert all(len(r) == len(section.columns) for r in section.rows)
+    assert section.warnings == [verdict.line] and verdict.line in bench_step.table(bench_step.run("cpu", [], 0))
+    assert "4 other runnable threads (median of 1 readings) competed with its 2 on 2 CPUs" in verdict.line
+    assert section.conclusion == ("step time against torch AdamW: async bf16 0.90x "
+                                  "(not to be trusted: see the warning)")
 
 
 def test_phases_finetune_without_transformers_says_not_installed(tmp_path, monkeypatch):
@@ -178,6 +206,22 @@ def test_lab_run_quick_headless_writes_the_report_folder(tmp_path):
     for name in ("report.json", "report.md", *[p for s in report["sections"] for p in s["plots"]]):
         assert (folder / name).stat().st_size > 0
     assert "## Host AdamW kernels" in done.stdout and str(folder.name) in done.stdout
+    # the same log.txt a run from the page has: everything the run printed
+    log = (folder / "log.txt").read_text()
+    assert "adambridge lab: phase 1/2: kernels" in log and "adambridge lab: phase 2/2: demo" in log
+    assert "validated: native == torch backend" in log and "pretraining" in log  # stdout and stderr
+    kernels, demo = report["sections"]
+    assert kernels["conclusion"].startswith("at 1M, native fp32 / bf16 / fp8 moments: ")
+    assert demo["conclusion"].startswith("against AdamW, fp32 weights: AdamBridge fp32 moments ")
+    for section in report["sections"]:
+        assert f"**{section['conclusion']}**" in done.stdout  # report.md, printed at the end
+    # each size says whether its timings can be trusted; the untrusted ones are the warnings
+    lines = [m["trust_line"] for m in kernels["figures"]]
+    assert len(lines) == 2 and all(line.startswith(("WARNING: these timings are not to be trusted: ",
+                                                    "timings look trustworthy: ")) for line in lines)
+    assert kernels["warnings"] == [f"{size}: {m['trust_line']}" for size, m in
+                                   zip(report["options"]["sizes"], kernels["figures"]) if not m["trust"]["trusted"]]
+    assert all(f"> {w}" in done.stdout for w in kernels["warnings"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -195,6 +239,15 @@ def test_lab_command_line_bad_input(tmp_path, monkeypatch, capsys, argv, message
         code = exc.code
     assert code in (1, 2) and message in capsys.readouterr().err
     assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs git and a git checkout of adambridge")
+def test_lab_default_reports_folder_is_ignored_by_git():
+    # `python -m adambridge lab` in a checkout writes ./reports/ (app.DEFAULT_REPORTS)
+    from adambridge.lab import app
+    path = f"{app.DEFAULT_REPORTS}/20260102-030405-quick/report.json"
+    assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
 
 
 def test_lab_wheel_carries_the_page_and_the_console_script(tmp_path):

@@ -2,6 +2,8 @@
 open the page, start a quick run, see it finish, open its report, see its plots load, compare two."""
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import time
 
@@ -55,20 +57,34 @@ def test_browser_quick_run_then_its_report_with_plots_then_compare(lab, browser)
     wait.until(lambda d: d.find_element(By.ID, "state").text == "complete")
     assert float(browser.find_element(By.ID, "progress").get_attribute("value")) == 1.0
     assert "phase 2/2: demo" in browser.find_element(By.ID, "log").text
+    # finished: no phase still shown as running, and the run's own closing line
+    assert browser.find_element(By.ID, "phase").text == "all 2 done"
+    assert re.fullmatch(r"2 of 2 phases ran in \d+ s", browser.find_element(By.ID, "phase-message").text)
 
     link, = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "a.open-report"))
     name = link.text
     link.click()
     view = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, f"#report-view .report[data-name='{name}']"))
     assert "Host AdamW kernels" in view.text and "native fp32 moments" in view.text
+    saved = json.loads((lab.manager.reports / name / "report.json").read_text())
+    shown = [c.text for c in view.find_elements(By.CSS_SELECTOR, "p.conclusion")]
+    assert shown == [s["conclusion"] for s in saved["sections"]] and all(shown)
+    assert shown[1].startswith("against AdamW, fp32 weights: AdamBridge fp32 moments ")
+    assert [w.text for w in view.find_elements(By.CSS_SELECTOR, "p.warning")] == \
+        [w for s in saved["sections"] for w in s["warnings"]]
     plots = view.find_elements(By.CSS_SELECTOR, "img.plot")
     assert len(plots) == 2  # kernels GB/s, demo loss curves
     for img in plots:
         wait.until(lambda d: d.execute_script("return arguments[0].complete", img))
         assert browser.execute_script("return arguments[0].naturalWidth", img) > 0, img.get_attribute("src")
 
-    # a copy of the report stands for an earlier run: tick both, compare side by side
-    shutil.copytree(lab.manager.reports / name, lab.manager.reports / "20000101-000000-quick")
+    # a copy of the report stands for an earlier run on a busy machine: tick both, compare side
+    # by side, and its kernel section's warning is shown as one
+    earlier = lab.manager.reports / "20000101-000000-quick"
+    shutil.copytree(lab.manager.reports / name, earlier)
+    busy = "256K: WARNING: these timings are not to be trusted: 7 other runnable threads competed"
+    saved["sections"][0]["warnings"] = [busy]
+    (earlier / "report.json").write_text(json.dumps(saved))
     browser.find_element(By.ID, "refresh").click()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".pick")) == 2)
     for tick in browser.find_elements(By.CSS_SELECTOR, ".pick"):
@@ -76,6 +92,7 @@ def test_browser_quick_run_then_its_report_with_plots_then_compare(lab, browser)
     browser.find_element(By.ID, "compare").click()
     panels = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#report-view .compare .report"))
     assert [p.get_attribute("data-name") for p in panels] == [name, "20000101-000000-quick"]
+    assert [w.text for w in panels[1].find_elements(By.CSS_SELECTOR, "p.warning")] == [busy]
 
 
 def test_browser_bad_input_shows_a_message_and_a_bad_token_is_refused(lab, browser):
@@ -117,5 +134,6 @@ def test_browser_cancel_stops_the_run(lab, browser, tmp_path):
     browser.find_element(By.ID, "cancel").click()
     wait.until(lambda d: d.find_element(By.ID, "state").text == "cancelled")
     assert "cancelled" in browser.find_element(By.ID, "message").text
+    assert browser.find_element(By.ID, "phase").text == "1/1 tests (cancelled there)"
     assert not lab.manager.status()["run"]["running"]
     assert not browser.find_element(By.ID, "cancel").is_enabled()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -110,6 +111,9 @@ def test_server_quick_run_finishes_and_its_report_has_tables_and_plots(lab):
     done = wait_until_done(lab)
     assert done["state"] == "complete" and done["fraction"] == 1.0 and done["exit_code"] == 0
     assert "adambridge lab: phase 2/2: demo" in done["log_tail"]
+    # past every phase, with a closing message rather than the last phase's last step
+    assert done["phase"] is None and done["phase_index"] == 2
+    assert re.fullmatch(r"2 of 2 phases ran in \d+ s", done["message"]), done["message"]
     reports = call(lab, "/api/reports")[1]["reports"]
     assert [r["name"] for r in reports] == [done["name"]] and reports[0]["status"] == "complete"
     report = call(lab, f"/api/reports/{done['name']}")[1]
@@ -117,6 +121,8 @@ def test_server_quick_run_finishes_and_its_report_has_tables_and_plots(lab):
     assert report["machine"]["cpus"] >= 1 and report["threads"]["torch"] >= 1
     kernels, demo = report["sections"]
     assert (kernels["name"], demo["name"]) == ("kernels", "demo")
+    assert kernels["conclusion"].startswith("at 1M, native fp32 / bf16 / fp8 moments: ")
+    assert demo["conclusion"].startswith("against AdamW, fp32 weights: ")
     assert {row[0] for row in kernels["rows"]} == {"256K", "1M"}
     native = [row for row in kernels["rows"] if row[1] == "native fp32 moments"]
     assert len(native) == 2 and all(float(row[3]) > 0 for row in native)  # GB/s

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import trusted
-from .build import (CSRC, INFO_HINT, IS_WINDOWS, MANIFEST, Built, Plan, _warn_once,
-                    build_timeout, cache_root, compile_into, deadline, make_plan)
+from .build import (CSRC, INFO_HINT, IS_WINDOWS, MANIFEST, Built, NativeBuildError, Plan,
+                    _warn_once, build_timeout, cache_root, compile_into, deadline, make_plan)
 
 log = logging.getLogger("adambridge.build")
 
@@ -58,8 +58,15 @@ if hasattr(os, "register_at_fork"):
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock across processes, held for the with block (the file stays)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    """An exclusive lock across processes, held for the with block (the file stays).
+
+    NativeBuildError when the lock file cannot be opened (a symlink, a directory, no permission):
+    backend="auto" then falls back to torch with one warning instead of failing every step.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as exc:
+        raise _lock_error(path, exc) from None
     _held_locks.add(fd)
     try:
         if IS_WINDOWS:
@@ -82,6 +89,13 @@ def _file_lock(path: Path) -> Iterator[None]:
     finally:
         _held_locks.discard(fd)
         os.close(fd)  # closing also releases flock
+
+
+def _lock_error(path: Path, exc: OSError) -> NativeBuildError:
+    what = "it is a symbolic link" if os.path.islink(path) else exc.strerror or str(exc)
+    return NativeBuildError(f"adambridge cannot open its build lock {path} ({what}); remove it "
+                            f"(rm {path}: the next build makes a new one) or set ADAMBRIDGE_CACHE_DIR "
+                            f"to another directory; {INFO_HINT}.")
 
 
 def _open_root(root: Path) -> Optional[int]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, TextIO
 
 from . import presets, report as lab_report
 
@@ -45,9 +47,44 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the terminal's stream and to the run's log file."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # tqdm and warnings ask
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
+
+@contextlib.contextmanager
+def _logged(path: Path) -> Iterator[None]:
+    """stdout and stderr also into `path`, as the page's runs have them in their log.txt."""
+    with open(path, "w", encoding="utf-8", errors="replace") as log:
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(saved[0], log), _Tee(saved[1], log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
 def run_headless(argv: Sequence[str]) -> int:
     """`lab run`: the preset's phases in this process; 0 when every phase passed."""
-    from .runner import run_preset
+    from .runner import LOG, run_preset
     ap = _run_parser()
     args = ap.parse_args(list(argv))
     try:
@@ -55,7 +92,8 @@ def run_headless(argv: Sequence[str]) -> int:
         folder = lab_report.new_report_dir(args.reports, args.preset)
     except (presets.PresetError, lab_report.ReportDirError) as exc:
         ap.error(str(exc))
-    report = run_preset(args.preset, dict(args.option), folder=folder)
+    with _logged(folder / LOG):
+        report = run_preset(args.preset, dict(args.option), folder=folder)
     print((folder / "report.md").read_text())
     print(f"adambridge lab: {report['status']} in {report['wall_seconds']} s; report: {folder}")
     return 0 if report["status"] == "complete" else 1

@@ -14,10 +14,12 @@ from pathlib import Path
 from types import ModuleType
 
 from .phases import Context, PhaseError, source_file, stream
+from . import report as lab_report
 from .report import Section, bar_plot
 
 KERNEL_PLOT, STEP_PLOT = "kernels-gbs.png", "step-ms.png"
 DEEPSPEED = "DeepSpeed CPU Adam (fp32 update)"
+ALTERNATIVE = "all-CPU torch AdamW(fused) + casts"
 
 
 def load_script(name: str) -> ModuleType:
@@ -46,12 +48,13 @@ def kernels(ctx: Context) -> Section:
     measured = []
     printed = bk.report
 
-    # NOTE: bench_kernels prints its table from report(numel, threads, medians, bytes_per);
-    # wrapping it takes the very numbers it prints, without a second copy of its main().
-    def capture(numel, threads, medians, bytes_per):
+    # NOTE: bench_kernels prints its table from report(numel, threads, medians, bytes_per,
+    # verdict); wrapping it takes the very numbers it prints, without a second copy of its main().
+    def capture(numel, threads, medians, bytes_per, verdict):
         measured.append(dict(numel=numel, threads=threads, medians_s=dict(medians),
-                             bytes_per_param=dict(bytes_per)))
-        printed(numel, threads, medians, bytes_per)
+                             bytes_per_param=dict(bytes_per), trust=verdict.figures,
+                             trust_line=verdict.line))
+        printed(numel, threads, medians, bytes_per, verdict)
     bk.report = capture
     sizes = ctx.options["sizes"]
     for i, size in enumerate(sizes):
@@ -62,7 +65,7 @@ def kernels(ctx: Context) -> Section:
     deepspeed_missing = importlib.util.find_spec("deepspeed") is None
     rows, groups = [], {}
     for size, m in zip(sizes, measured):
-        alternative = m["medians_s"].get("all-CPU torch AdamW(fused) + casts")
+        alternative = m["medians_s"].get(ALTERNATIVE)
         bars = groups.setdefault(size, {})
         for name, seconds in m["medians_s"].items():
             gbs = m["bytes_per_param"][name] * m["numel"] / seconds / 1e9
@@ -75,13 +78,30 @@ def kernels(ctx: Context) -> Section:
     why_not = bar_plot(ctx.folder / KERNEL_PLOT, "host AdamW update, bf16 grads and weights",
                        "GB/s (minimum bytes moved)", groups)
     threads = measured[0]["threads"] if measured else None
+    warnings = [f"{size}: {m['trust_line']}" for size, m in zip(sizes, measured) if not m["trust"]["trusted"]]
     return Section(name="kernels", title="Host AdamW kernels (bench_kernels.py)",
                    setup=f"{threads} threads, bf16 gradients in, bf16 weights out; median of "
                          f"{ctx.options['repeats']} interleaved repeats; GB/s counts the minimum "
                          "bytes each variant moves",
                    columns=["size", "variant", "ms", "GB/s", "vs all-CPU torch"], rows=rows,
                    notes=[why_not] if why_not else [], plots=[] if why_not else [KERNEL_PLOT],
-                   figures=measured)
+                   figures=measured, conclusion=kernels_conclusion(sizes, measured, bool(warnings)),
+                   warnings=warnings)
+
+
+def kernels_conclusion(sizes: list, measured: list, untrusted: bool) -> str:
+    """At the largest size: how many times faster each native precision is than the all-CPU torch."""
+    if not measured:
+        return "nothing was measured"
+    size, m = sizes[len(measured) - 1], measured[-1]
+    alternative = m["medians_s"].get(ALTERNATIVE)
+    native = [(n.split()[1], s) for n, s in m["medians_s"].items() if n.startswith("native ")]
+    if alternative is None or not native:
+        return f"at {size}: no native kernel row to compare"
+    ratios = " / ".join(f"{alternative / s:.2f}x" for _, s in native)
+    line = (f"at {size}, native {' / '.join(p for p, _ in native)} moments: {ratios} the all-CPU "
+            "torch alternative's speed")
+    return line + (" (not to be trusted: see the warning)" if untrusted else "")
 
 
 # ---------------------------------------------------------------------------- step
@@ -109,10 +129,23 @@ def step(ctx: Context) -> Section:
              for line in printed.splitlines() if line.startswith("|") and "---" not in line]
     why_not = bar_plot(ctx.folder / STEP_PLOT, f"training step ({preset} preset)", "median ms",
                        {"step": {r["variant"]: r["median_ms"] for r in result["rows"]}})
+    untrusted = not result["trust"]["trusted"]
     return Section(name="step", title="Training step (bench_step.py)",
                    setup=printed.splitlines()[0], columns=cells[0], rows=cells[1:],
                    notes=[why_not] if why_not else [], plots=[] if why_not else [STEP_PLOT],
-                   figures=result)
+                   figures=result, conclusion=step_conclusion(result["rows"], untrusted),
+                   warnings=[result["trust_line"]] if untrusted else [])
+
+
+def step_conclusion(rows: list, untrusted: bool) -> str:
+    """Each AdamBridge async variant's step time against torch AdamW's."""
+    times = {r["variant"]: r["median_ms"] for r in rows}
+    base = times.get("torch AdamW")
+    ours = [(n.replace("adambridge ", ""), ms) for n, ms in times.items() if " async " in f" {n} "]
+    if not base or not ours:
+        return "no async variant to compare with torch AdamW"
+    line = "step time against torch AdamW: " + ", ".join(f"{n} {ms / base:.2f}x" for n, ms in ours)
+    return line + (" (not to be trusted: see the warning)" if untrusted else "")
 
 
 # ---------------------------------------------------------------------------- finetune
@@ -124,7 +157,8 @@ def finetune(ctx: Context) -> Section:
     if importlib.util.find_spec("transformers") is None:
         return Section(name="finetune", title="Fine-tuning a causal LM (finetune_llm.py)",
                        status="skipped", error="not installed: transformers "
-                                               "(pip install 'adambridge[finetune]')")
+                                               "(pip install 'adambridge[finetune]')",
+                       conclusion="skipped: transformers is not installed")
     with tempfile.TemporaryDirectory(prefix="adambridge-lab-") as tmp:
         out = Path(tmp) / "finetune"
         steps = ["--steps", str(ctx.options["finetune_steps"])] if ctx.options.get("finetune_steps") else []
@@ -143,6 +177,11 @@ def finetune(ctx: Context) -> Section:
             raise PhaseError(f"finetune_llm.py exited with status {rc} without a report") from None
     section = Section(**report["sections"][0])
     section.notes.append("finetune_llm.py " + " ".join(argv))
+    figures = section.figures or {}
+    # NOTE: judged by each run's reduction from its own start: the bf16 runs start from the
+    # model cast to bf16, so a final-loss difference would partly measure that cast.
+    section.conclusion = "by each run's reduction from its own start, " + lab_report.verdicts_line(
+        figures.get("runs", []), "adamw", figures.get("noise_band"))
     if report["status"] == "failed":
         section.status, section.error = "failed", "some configurations failed (see their rows)"
     return section

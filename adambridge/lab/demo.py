@@ -87,6 +87,7 @@ class Setup:
     init_state: dict
     seed: int
     below_half_ulp: Optional[float] = None  # share of weights where an update of lr rounds away
+    start_dtype: torch.dtype = torch.float32  # what the shared starting weights were rounded to
 
 
 def lr_lambda(steps: int, warmup: float):
@@ -234,6 +235,23 @@ def prepare(args: argparse.Namespace, preset: Preset, device: torch.device) -> t
     return setup, source
 
 
+def stored_dtype(configs: Sequence[Config]) -> torch.dtype:
+    """The dtype whose values every configuration's weights hold exactly: bf16 when any stores bf16."""
+    low = {c.weights for c in configs} - {torch.float32}
+    assert len(low) <= 1, f"one start cannot be exact in each of {low}"  # CONFIGS use fp32 and bf16
+    return low.pop() if low else torch.float32
+
+
+def shared_start(state: dict, dtype: torch.dtype) -> dict:
+    """The pretrained weights rounded to `dtype` (kept as fp32 tensors): the start of every run.
+
+    Rounded once for all, so that a configuration storing bf16 weights starts from the very
+    values, and so the very loss, of the fp32 reference: the comparison then measures the
+    optimizers, never the cast.
+    """
+    return {k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def run_all(setup: Setup, configs: list[Config], noise_runs: int,
             progress: ProgressFn = None) -> list[dict]:
     """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
@@ -243,7 +261,8 @@ def run_all(setup: Setup, configs: list[Config], noise_runs: int,
     bar = report_mod.progress_bar(setup.preset.pretrain_steps + len(plan) * setup.steps, progress)
     try:
         bar.set_description("pretraining (shared)")
-        setup.init_state = pretrain(setup, bar)
+        setup.start_dtype = stored_dtype(configs)
+        setup.init_state = shared_start(pretrain(setup, bar), setup.start_dtype)
         setup.below_half_ulp = dm.below_half_ulp_fraction(setup.init_state, setup.preset.lr)
         runs = []
         for config, data_seed, noise in plan:
@@ -284,10 +303,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+class DeviceError(ValueError):
+    """--device names a device this machine cannot run the demo on: one line why."""
+
+
 def pick_device(requested: Optional[str]) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The demo's device: the one asked for once it is known to work here, else cuda or cpu."""
+    if not requested:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise DeviceError(f"Invalid --device {requested!r}: choose cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"this torch (CUDA {torch.version.cuda}) sees no GPU")
+        raise DeviceError(f"Invalid --device {requested!r}: {why}; use --device cpu (or install "
+                          "a CUDA build of torch on a machine with a GPU)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"Invalid --device {requested!r}: this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceError(f"Invalid --device {requested!r}: the demo runs on cpu or cuda")
+    return device
 
 
 def pick_preset(args: argparse.Namespace, device: torch.device) -> Preset:
@@ -311,8 +349,14 @@ def describe(setup: Setup, args: argparse.Namespace, source: str) -> dict:
         steps=setup.steps, batch=p.batch, ctx=p.ctx, lr=p.lr, pretrain_steps=p.pretrain_steps,
         pretrain_lr=p.pretrain_lr, weight_decay=p.weight_decay, betas=list(p.betas),
         warmup=p.warmup, schedule="linear warm-up, cosine decay to 0", seed=setup.seed,
-        lr_below_half_bf16_ulp=setup.below_half_ulp,
+        lr_below_half_bf16_ulp=setup.below_half_ulp, start_weights=_start_weights(setup.start_dtype),
         noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def _start_weights(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "from the same pretrained fp32 weights"
+    return f"from the same weights: the pretrained ones rounded to {dm.DTYPE_NAMES[dtype]}"
 
 
 def _start_loss(runs: list[dict]) -> float:
@@ -354,12 +398,29 @@ def main(argv: Sequence[str] = ()) -> int:
     args = parse_args(argv)
     out = Path(args.out or f"adambridge-demo-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     try:
+        pick_device(args.device)  # before the report folder exists
+        made = not out.exists()
         lab_report.check_writable(out)
-    except lab_report.ReportDirError as exc:
+    except (DeviceError, lab_report.ReportDirError) as exc:
         print(f"adambridge demo: {exc}", file=sys.stderr)
         return 1
-    report = experiment(args)
+    try:
+        report = experiment(args)
+    except KeyboardInterrupt:
+        return _interrupted(out, made)
     print(report["table"])
     why_not = write_files(report, out)
     print(f"report: {out / 'report.json'}" + (f"; {why_not}" if why_not else f", plot: {out / PLOT}"))
     return 0
+
+
+def _interrupted(out: Path, made: bool) -> int:
+    """Ctrl-C before the results: remove the report folder this run made (it is still empty)."""
+    if made and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+        where = f"removed the empty {out}"
+    else:
+        where = f"left {out} as it was"
+    print(f"\nadambridge demo: interrupted before any result; nothing was written ({where})",
+          file=sys.stderr)
+    return 130

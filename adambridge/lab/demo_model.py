@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB = 256
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .report import NO_MATPLOTLIB, Section, pyplot, verdict
+from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict, verdicts_line
 
 MIB = 1 << 20
 
@@ -83,13 +83,16 @@ def _mem(run: dict) -> str:
     return "-"
 
 
-def _row(run: dict, ref: Optional[dict], band: Optional[float], start: float) -> list[str]:
+def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
     loss = run["final_val_loss"]
     delta = gain = "-"
     if ref is not None and run is not ref:
-        delta = f"{loss - ref['final_val_loss']:+.4f} {verdict(run, ref, band)}"
-        if start - ref["final_val_loss"] > 0:
-            gain = f"{(start - loss) / (start - ref['final_val_loss']):.0%}"
+        # NOTE: judged by each run's reduction from its own start, so that a start that differs
+        # (weights cast to another dtype) can never pass for the optimizer's doing.
+        delta = f"{loss_delta(run, ref, by_reduction=True):+.4f} {verdict(run, ref, band, by_reduction=True)}"
+        ref_gain = ref["start_val_loss"] - ref["final_val_loss"]
+        if ref_gain > 0:
+            gain = f"{(run['start_val_loss'] - loss) / ref_gain:.0%}"
     return [run["label"], run["mode"], f"{loss:.4f}", delta, gain,
             f"{run['bf16_changed']:.1%}", f"{run['ms_per_step']:.1f}", _mem(run),
             f"{run['state_bytes_per_param']:.2f}"]
@@ -102,24 +105,39 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     mem_head = "peak GPU mem" if report["setup"]["device"].startswith("cuda") else "RSS growth"
     head = ["configuration", "mode", "val loss", "vs reference", "gain kept",
             "bf16 changed", "ms/step", mem_head, "state B/param"]
-    return head, [_row(r, ref, band, report["start_val_loss"]) for r in runs]
+    return head, [_row(r, ref, band) for r in runs]
+
+
+def start_line(runs: list) -> str:
+    """Where the runs started: one loss for all, or the range (each is then judged by its reduction)."""
+    starts = [r["start_val_loss"] for r in runs if "start_val_loss" in r]
+    if not starts:
+        return "no run finished"
+    if max(starts) == min(starts):
+        return f"every configuration starts at validation loss {starts[0]:.4f}"
+    return (f"the configurations start at validation losses {min(starts):.4f} to {max(starts):.4f}; "
+            "each is judged by its own reduction")
 
 
 def _setup_lines(report: dict) -> list[str]:
     s = report["setup"]
     return [f"{s['model']} on {s['device']}; fine-tuned {s['steps']} steps of "
             f"{s['batch']} x {s['ctx']} bytes after {s['pretrain_steps']} shared pretraining steps; "
-            f"validation loss at start {report['start_val_loss']:.4f}",
+            f"{start_line(report['runs'])} ({s['start_weights']})",
             f"peak lr {s['lr']:g}: an update that size is below half a bf16 ulp for "
             f"{s['lr_below_half_bf16_ulp']:.0%} of the weights (rounded away without an fp32 master)"]
 
 
 def _notes(report: dict) -> list[str]:
     band = report["noise_band"]
-    band_text = (f"noise band {band:.4f} (reference re-run with {report['setup']['noise_runs']} "
-                 f"other data orders): differences within it are ties" if band is not None
+    runs = report["setup"]["noise_runs"]
+    band_text = (f"noise band {band:.4f} (reference re-run with {runs} other data "
+                 f"order{'' if runs == 1 else 's'}): differences within it are ties" if band is not None
                  else "no noise runs: differences are not classified as ties")
     return [band_text,
+            "vs reference: how much less the configuration reduced the validation loss from its start "
+            "than the reference did (with one start for all, its final loss minus the reference's), "
+            "so the verdict measures the optimizer, not the weights' dtype",
             "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
             "whose bf16 value moved; state B/param: optimizer-held bytes per parameter "
             "(AdamBridge: fp32 master + moments, in host RAM)"]
@@ -133,7 +151,12 @@ def format_table(report: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(_setup_lines(report) + lines + _notes(report))
+    return "\n".join(_setup_lines(report) + lines + _notes(report) + ["verdict: " + conclusion(report)])
+
+
+def conclusion(report: dict) -> str:
+    """The comparison in one line: each configuration's verdict against the reference."""
+    return verdicts_line(report["runs"], "reference", report["noise_band"])
 
 
 def section(report: dict, plots: list[str]) -> Section:
@@ -141,6 +164,7 @@ def section(report: dict, plots: list[str]) -> Section:
     head, rows = table_rows(report)
     return Section(name="demo", title="Fine-tuning comparison (demo)", setup="; ".join(_setup_lines(report)),
                    columns=head, rows=rows, notes=_notes(report), plots=plots,
+                   conclusion=conclusion(report),
                    figures=dict(setup=report["setup"], runs=report["runs"],
                                 noise_band=report["noise_band"],
                                 start_val_loss=report["start_val_loss"]))

@@ -137,12 +137,24 @@ def tests(ctx: Context) -> Section:
                       setup=f"python -m pytest {' '.join(targets)}: {total['passed']} passed, "
                             f"{total['failed']} failed, {total['skipped']} skipped in {seconds:.0f} s",
                       columns=columns, rows=rows, notes=failures[:20],
-                      figures=dict(files=counts, totals=total, exit_status=rc))
+                      figures=dict(files=counts, totals=total, exit_status=rc),
+                      conclusion=tests_conclusion(counts, total))
     if rc != 0:
         section.status = "failed"
         section.error = ("pytest collected no tests" if rc == 5 else
                          f"pytest exited with status {rc}: {total['failed']} failed")
     return section
+
+
+def tests_conclusion(counts: Mapping, total: Mapping) -> str:
+    ran = total["passed"] + total["failed"]
+    skipped = f" ({total['skipped']} skipped)" if total["skipped"] else ""
+    if not ran:
+        return "no test ran" + skipped
+    if not total["failed"]:
+        return f"all {ran} tests passed{skipped}"
+    files = sorted(name for name, c in counts.items() if c["failed"])
+    return f"{total['failed']} of {ran} tests failed{skipped}, in {', '.join(files)}"
 
 
 def _test_file(classname: str) -> str:

@@ -119,7 +119,7 @@ _COMMON = dict(threads=None, sizes="8M,64M", repeats=9, torch_backend=True, demo
                plan_tokens=4096, plan_check=True)
 
 PRESETS = {p.name: p for p in [
-    Preset("quick", "two small kernel sizes and a tiny demo: well under a minute",
+    Preset("quick", "two small kernel sizes and a tiny demo: a minute or so on 2 cores",
            ("kernels", "demo"), dict(_COMMON, sizes="256K,1M", repeats=3, torch_backend=False,
                                      demo_preset="tiny",
                                      demo_steps=6)),

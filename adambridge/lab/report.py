@@ -37,6 +37,8 @@ class Section:
     plots: list = dataclasses.field(default_factory=list)   # file names in the report folder
     figures: Any = None                     # every measured number, JSON-serialisable
     error: Optional[str] = None
+    conclusion: str = ""                    # what the section shows, in one line
+    warnings: list = dataclasses.field(default_factory=list)  # why its figures may not hold
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -58,16 +60,44 @@ def noise_band(runs: Sequence[Mapping], reference: str) -> Optional[float]:
     return max(abs(x - ref["final_val_loss"]) for x in others)
 
 
-def verdict(run: Mapping, ref: Optional[Mapping], band: Optional[float]) -> str:
-    """How a run's final loss compares with the reference's: within the noise band is a tie."""
+def loss_delta(run: Mapping, ref: Mapping, *, by_reduction: bool = False) -> float:
+    """How much worse a run ends than the reference (positive: worse).
+
+    by_reduction: the reference's reduction of the loss from its own start minus the run's, so
+    that a run starting from other weights (a cast, another initialisation) is judged by what
+    its optimizer did, not by where it began. Equal to the final-loss difference when both
+    runs start from the same loss.
+    """
+    delta = run["final_val_loss"] - ref["final_val_loss"]
+    if by_reduction:
+        delta -= run["start_val_loss"] - ref["start_val_loss"]
+    return delta
+
+
+def verdict(run: Mapping, ref: Optional[Mapping], band: Optional[float], *,
+            by_reduction: bool = False) -> str:
+    """How a run compares with the reference (see loss_delta): within the noise band is a tie."""
     if ref is None or run is ref:
         return "reference" if run is ref else ""
     if run.get("noise_run"):
         return "noise run"
-    delta = run["final_val_loss"] - ref["final_val_loss"]
+    delta = loss_delta(run, ref, by_reduction=by_reduction)
     if band is not None and abs(delta) <= band:
         return "tie"
     return "worse" if delta > 0 else "better"
+
+
+def verdicts_line(runs: Sequence[Mapping], reference: str, band: Optional[float]) -> str:
+    """One line: each measured run's verdict against the reference, judged by its reduction."""
+    measured = [r for r in runs if "final_val_loss" in r and "start_val_loss" in r]
+    ref = next((r for r in measured if r.get("config") == reference and not r.get("noise_run")), None)
+    if ref is None:
+        return "no reference run finished: nothing to compare"
+    parts = [f"{r['label']} {verdict(r, ref, band, by_reduction=True)} "
+             f"({loss_delta(r, ref, by_reduction=True):+.4f})"
+             for r in measured if r is not ref and not r.get("noise_run")]
+    where = f"noise band {band:.4f}" if band is not None else "no noise band: no ties called"
+    return f"against {ref['label']}: {', '.join(parts) or 'no other run'}; {where}"
 
 
 # ---------------------------------------------------------------------------- the machine
@@ -208,6 +238,9 @@ def render_markdown(report: Mapping) -> str:
              + (f", {report['wall_seconds']:.0f} s." if report.get("wall_seconds") else "."), ""]
     for s in report.get("sections", []):
         lines += [f"## {s['title']}", ""]
+        if s.get("conclusion"):
+            lines += [f"**{s['conclusion']}**", ""]
+        lines += [f"> {w}" for w in s.get("warnings", [])] + ([""] if s.get("warnings") else [])
         if s.get("error"):
             lines += [f"**{s['status']}**: {s['error']}", ""]
         if s.get("setup"):

@@ -24,6 +24,7 @@ PHASES: Mapping[str, Callable[[phases.Context], Section]] = {
     "demo": phases.demo, "finetune": bench_phases.finetune, "plan": phases.plan,
 }
 PROGRESS = "progress.json"
+LOG = "log.txt"  # everything the run printed: the page's run process writes it, so does `lab run`
 
 
 class Progress:
@@ -41,6 +42,13 @@ class Progress:
     def step(self, fraction: float, message: str) -> None:
         self.fraction, self.message = fraction, message or self.message
         self.write("running")
+
+    def finish(self, state: str, message: str) -> None:
+        """The last write: past every phase when complete, else at the phase that stopped."""
+        if state != "cancelled":
+            self.index, self.fraction = len(self.names), 0.0
+        self.message = message
+        self.write(state, force=True)
 
     def write(self, state: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -63,7 +71,8 @@ def write_progress(path: Path, progress: dict) -> None:
 
 def _failed(name: str, exc: BaseException) -> Section:
     reason = str(exc) if isinstance(exc, phases.PhaseError) else f"{type(exc).__name__}: {exc}"
-    return Section(name=name, title=presets.PHASE_TITLES[name], status="failed", error=reason)
+    return Section(name=name, title=presets.PHASE_TITLES[name], status="failed", error=reason,
+                   conclusion=f"failed: {reason}")
 
 
 def run_preset(name: str, options: Optional[Mapping] = None, *, folder: Path) -> dict:
@@ -90,11 +99,13 @@ def run_preset(name: str, options: Optional[Mapping] = None, *, folder: Path) ->
                 sections.append(_failed(phase, exc))
             save("running")
     except KeyboardInterrupt:
-        progress.write("cancelled", force=True)
+        progress.finish("cancelled", f"cancelled during {preset.phases[progress.index]}")
         return save("cancelled")
-    status = "failed" if any(s.status == "failed" for s in sections) else "complete"
-    progress.index, progress.fraction = len(preset.phases), 0.0
-    progress.write(status, force=True)
+    failed = [s.name for s in sections if s.status == "failed"]
+    status = "failed" if failed else "complete"
+    seconds = time.perf_counter() - started
+    progress.finish(status, f"{len(sections)} of {len(preset.phases)} phases ran in {seconds:.0f} s"
+                            + (f"; failed: {', '.join(failed)}" if failed else ""))
     return save(status)
 
 

@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from . import presets, report as lab_report
-from .runner import PROGRESS, write_progress
-
-LOG = "log.txt"
+from .runner import LOG, PROGRESS, write_progress
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # so the run imports this very adambridge
 
 

@@ -91,7 +91,7 @@ function showStatus(status) {
   $("run-name").textContent = run.name;
   $("state").textContent = run.state;
   $("state").className = `status-${run.state}`;
-  $("phase").textContent = run.phase ? `${run.phase_index + 1}/${run.phases.length} ${run.phase}` : "-";
+  $("phase").textContent = phaseText(run);
   $("phase-message").textContent = run.message || "";
   $("progress").value = run.fraction || 0;
   const log = $("log");
@@ -102,6 +102,15 @@ function showStatus(status) {
   $("start").disabled = run.running;
   if (lastRunning && !run.running) loadReports();
   lastRunning = run.running;
+}
+
+// Running: the phase it is in. Finished: every phase done, or the one it stopped in (never the
+// last phase it reported while running, which would read as if it were still there).
+function phaseText(run) {
+  const count = run.phases.length;
+  if (!run.phase) return run.running ? "-" : `all ${count} done`;
+  const where = `${run.phase_index + 1}/${count} ${run.phase}`;
+  return run.running ? where : `${where} (${run.state} there)`;
 }
 
 async function poll() {
@@ -171,6 +180,8 @@ function renderReport(report) {
   box.append(el("p", {}, ...links.flatMap((f) => [el("a", { href: fileUrl(report.name, f), target: "_blank", text: f }), " "])));
   for (const s of report.sections) {
     box.append(el("h3", { text: s.title }), el("p", { class: `status-${s.status}`, text: s.error ? `${s.status}: ${s.error}` : s.status }));
+    if (s.conclusion) box.append(el("p", { class: "conclusion", text: s.conclusion }));
+    for (const w of s.warnings || []) box.append(el("p", { class: "warning", role: "alert", text: w }));
     if (s.setup) box.append(el("p", { text: s.setup }));
     if (s.columns.length) box.append(table(s.columns, s.rows));
     if (s.notes.length) box.append(el("ul", {}, ...s.notes.map((n) => el("li", { text: n }))));

@@ -318,7 +318,10 @@ def section(report: dict) -> lab_report.Section:
              f"validation loss at start {report['start_val_loss']}.")
     columns = ["configuration", "weights", "mode", "val loss", "vs reference", "bf16 changed",
                "ms/step", "peak GPU GiB", "RSS growth GiB †", "host B/param"]
-    notes = [f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
+    notes = ["vs reference: the reference's loss reduction from its own start minus this "
+             "run's (positive: worse; the final-loss difference where a start loss was not "
+             "measured), so a run that starts from a cast is judged by its optimizer.",
+             f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
              "differences are ties." if band is not None else "No noise runs: ties not called.",
              "† growth of the process's resident memory beyond the reference's."]
     return lab_report.Section(name="finetune", title=f"Fine-tuning {s['model']}", setup=setup,
@@ -333,7 +336,12 @@ def _row(r: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
         return [r["label"], f"failed: {r['error'][:120]}"] + [""] * 8
     delta = "-"
     if ref is not None and r is not ref:
-        delta = f"{r['final_val_loss'] - ref['final_val_loss']:+.4f} ({lab_report.verdict(r, ref, band)})"
+        # NOTE: judged by each run's own reduction where both start losses were measured: a
+        # bf16 run starts from a cast of the weights, so its start loss differs, and a
+        # final-loss difference would measure that cast, not the optimizer.
+        by_reduction = all(x.get("start_val_loss") is not None for x in (r, ref))
+        delta = (f"{lab_report.loss_delta(r, ref, by_reduction=by_reduction):+.4f} "
+                 f"({lab_report.verdict(r, ref, band, by_reduction=by_reduction)})")
     gpu = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / GIB:.2f}"
     rss = r["rss_growth_bytes"] - (ref["rss_growth_bytes"] if ref else 0)
     host = "-" if r["host_bytes_per_param"] is None else f"{r['host_bytes_per_param']:.2f}"

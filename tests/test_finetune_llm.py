@@ -101,6 +101,21 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
 
 
+def test_section_judges_a_run_by_its_own_reduction_when_it_starts_elsewhere(ft):
+    """A bf16 run starts from a cast of the weights, at another loss: the table must show what
+    its optimizer did (its reduction against the reference's), not where the cast put it."""
+    base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
+                peak_device_bytes=None, host_bytes_per_param=None, rss_growth_bytes=0)
+    runs = [dict(base, config="adamw", label="ref", start_val_loss=5.1151, final_val_loss=5.0),
+            dict(base, config="adambridge-bf16", label="ab", start_val_loss=5.1164,
+                 final_val_loss=5.0013)]
+    setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
+                 data="d", lr=2e-5, warmup=0.1)
+    section = ft.section(dict(setup=setup, runs=runs, noise_band=0.001, start_val_loss=5.1151))
+    rows = {row[0]: row for row in section.rows}
+    assert rows["ab"][4] == "+0.0000 (tie)"  # the final-loss difference would say +0.0013 worse
+
+
 def test_not_installed_rows_only_for_the_default_plan(ft, monkeypatch):
     monkeypatch.setattr(ft, "available", lambda c: c.needs is None)
     rows = ft.not_installed(ft.parse_args([]))

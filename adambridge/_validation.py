@@ -55,6 +55,11 @@ def hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any, *, where: 
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{prefix}Invalid betas: {betas!r} (expected a pair of floats)")
     for index, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):  # as torch.optim.AdamW: a 1-element tensor
+            if beta.numel() != 1:
+                raise ValueError(f"{prefix}Tensor betas[{index}] must be 1-element, got "
+                                 f"{beta.numel()} elements")
+            beta = float(beta)
         if not _real(beta) or not 0.0 <= beta < 1.0:
             raise ValueError(f"{prefix}Invalid beta parameter at index {index}: {beta!r}")
     if not _real(weight_decay) or not 0.0 <= weight_decay or not bounded(weight_decay):

@@ -49,8 +49,8 @@ class Hyper:
     @classmethod
     def for_group(cls, group: dict, step: int) -> "Hyper":
         """The scalars of ``step`` for a param_groups entry (lr, betas, eps, weight_decay)."""
-        beta1, beta2 = group["betas"]
-        return _hyper_for_step(cls, float(group["lr"]), beta1, beta2, group["eps"],
+        beta1, beta2 = group["betas"]  # floats, or 1-element tensors (read at every step)
+        return _hyper_for_step(cls, float(group["lr"]), float(beta1), float(beta2), group["eps"],
                                group["weight_decay"], step)
 
 

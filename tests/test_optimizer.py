@@ -1,6 +1,8 @@
 """AdamBridge against torch.optim.AdamW, and everything torch users rely on."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -212,6 +214,31 @@ def test_zero_grad_step_closure_hooks_and_tensor_lr(backend):
     assert p.grad is not None and torch.count_nonzero(p.grad) == 0
     opt.zero_grad()
     assert p.grad is None
+
+
+@pytest.mark.parametrize("attach", [False, True], ids=["sync", "async"])
+def test_tensor_betas_as_torch_adamw_read_at_every_step(backend, attach):
+    """torch.optim.AdamW takes 1-element tensor betas; a change in place reaches the next step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(70, 300)
+    twin = copy.deepcopy(model)
+    betas = (torch.tensor(0.9), torch.tensor(0.99))
+    opt = AdamBridge(model.parameters(), lr=1e-2, betas=betas, backend=backend,
+                     small_param_threshold=0)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    if attach:
+        opt.attach_hooks(model)
+    for step in range(4):
+        if step == 2:  # as a schedule of beta1 would, in place
+            for group in (*opt.param_groups, *ref.param_groups):
+                group["betas"][0].fill_(0.8)
+        x = torch.randn(8, 70)
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_add_param_group_trains_new_params(backend):

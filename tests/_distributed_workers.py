@@ -6,6 +6,7 @@ each runs ``SCENARIOS[scenario](rank, world, out_dir)`` and saves its result (a 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -44,7 +45,7 @@ def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = SCENARIOS[scenario](rank, world, out_dir)
+        result = _scenario(scenario)(rank, world, out_dir)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()  # no rank closes its sockets while a peer still finishes a collective
     finally:
@@ -56,6 +57,14 @@ def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _scenario(name: str):
+    """SCENARIOS[name], or function f of module m for a name "m:f" (another workers file)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 # --------------------------------------------------------------------------- models and data

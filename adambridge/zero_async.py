@@ -13,6 +13,9 @@ The first step after ``attach_hooks`` is held (updated by ``step()``), so whatev
 refused there is refused with nothing changed. Before raising, the ranks agree on whether
 any of them failed, so one rank's error never leaves the others waiting in the all-gather.
 
+With ``release_grads`` (the default) ``step()`` then sets every gradient it applied to None,
+so a loop without ``zero_grad()`` never adds a backward onto an applied gradient.
+
 Limits, each refused in one line: the model must be a DDP model (a hook on a plain model
 would see this rank's unreduced gradient); no ``max_grad_norm``, torch clipping, GradScaler
 or autotune (step-wide facts that exist only after ranges were updated); accumulate with
@@ -135,6 +138,7 @@ class RangeUpdater(LandedWorker):
         zero.sync_step(opt, stats, began, skip=done)
         stats.num_params += self._count_updated(done)
         self._held = False
+        self._release_grads()
 
     def _count_updated(self, done: Any) -> int:
         # ``done`` also holds the parameters of which this rank owns nothing (no state).

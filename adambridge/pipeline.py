@@ -112,7 +112,7 @@ class Pipeline(FactsMixin):
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.tuner = None
-        # hook_grads=False: someone else calls on_grad (distributed.py's DDP comm hook).
+        # hook_grads=False: someone else calls on_grad (ddp_async.py's DDP comm hook).
         self._hooks_grads = hook_grads
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
                    for p in self.hooked] if hook_grads else []

@@ -3,16 +3,27 @@ through _distributed_workers.launch, which gives each scenario its gloo group an
 
 The loops are the ones users write: the documented asynchronous loop (``backward()`` then
 ``step_sync()``, no ``zero_grad()``: the hooks release what they take) under DDP, shard_state
-and FSDP2, against the synchronous loop with ``zero_grad()``; and an FSDP2 shard whose fp8
-blocks start off a multiple of 128.
+and FSDP2, against the synchronous loop with ``zero_grad()``; the DDP wrapper found from what
+attach_hooks is given; and an FSDP2 shard whose fp8 blocks start off a multiple of 128.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from _distributed_workers import LR, WD, _full, batch, make_model, shard
+from _distributed_workers import LR, WD, _error, _full, batch, make_model, shard
 
 STEPS = 5
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _loop(model, opt, rank: int, mode: str, zero_grad: bool = True) -> list:
@@ -80,6 +91,39 @@ def seed_loop(rank: int, world: int, out_dir: str) -> dict:
             _loop(model, opt, rank, mode)
             result["fsdp2", setup, mode] = _weights(model)
             opt.detach_hooks()
+    return result
+
+
+def wrapper_lookup(rank: int, world: int, out_dir: str) -> dict:
+    """attach_hooks on what is not the DDP model, with 2 ranks: a module wrapped after
+    attach_hooks, a model no DDP wraps, no model at all."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    records = _Records()
+    logging.getLogger("adambridge").addHandler(records)
+    result = {}
+    for mode in ("sync", "async"):
+        inner = make_model()
+        opt = _ours(inner)
+        if mode == "async":
+            opt.attach_hooks(inner)  # before DDP wraps it
+        model = DDP(inner)
+        result["wrapped after", mode, "taken"] = _loop(model, opt, rank, mode)
+        result["wrapped after", mode] = _weights(model)
+        opt.detach_hooks()
+    for mode in ("sync", "async"):  # no DDP: each rank trains on its own gradients
+        model = make_model()
+        opt = _ours(model)
+        if mode == "async":
+            opt.attach_hooks(model)
+        result["alone", mode, "taken"] = _loop(model, opt, rank, mode)
+        result["alone", mode] = _weights(model)
+        opt.detach_hooks()
+    result["warnings"] = list(records.messages)
+    model = DDP(make_model())
+    result["no model"] = _error(lambda: _ours(model).attach_hooks())
+    result["no model, shard_state"] = _error(lambda: _ours(model, shard_state=True).attach_hooks())
+    result[".module, shard_state"] = _error(
+        lambda: _ours(model, shard_state=True).attach_hooks(model.module))
     return result
 
 

@@ -8,18 +8,14 @@ keys the stochastic rounding, is that global offset, so the bits do not depend o
 of ranks (fp8's per-128 scale blocks start at the shard, so fp8 is rank-independent only
 where each shard starts at a multiple of 128 elements).
 
-DDP in asynchronous mode: the per-parameter hooks would run before DDP's all-reduce, so
-instead a DDP comm hook all-reduces each bucket and hands the reduced slices to the pipeline
-(``hand_over_reduced``); every rank then updates with the same averaged gradient.
-
-FSDP2 in asynchronous mode is fsdp_async.py; DDP with sharded host state is zero.py.
+FSDP2 in asynchronous mode is fsdp_async.py; DDP in asynchronous mode is ddp_async.py; DDP
+with sharded host state is zero.py (and zero_async.py).
 
 Refused, in one line each: DTensor layouts other than ``Shard(0)``/``Replicate`` per mesh
 dimension, and FSDP1 (``FullyShardedDataParallel``).
 """
 from __future__ import annotations
 
-import gc
 import sys
 import time
 from typing import Any, Optional
@@ -85,68 +81,6 @@ def shard_offset(p: torch.Tensor, index: int) -> int:
     per_rank = -(-rows // ranks)  # torch.chunk's split, as FSDP2 and DTensor use
     start_row = min(coordinate[mesh_dim] * per_rank, rows)
     return start_row * (p.numel() // rows if rows else 0)
-
-
-def check_attach(model: Optional[torch.nn.Module], params: list) -> Optional[Any]:
-    """The DistributedDataParallel wrapping ``params`` (None if none); DTensor parameters
-    never get here (AdamBridge.attach_hooks sends them to fsdp_async.py)."""
-    return _ddp_over(model, params)
-
-
-def _ddp_over(model: Optional[torch.nn.Module], params: list) -> Optional[Any]:
-    if "torch.nn.parallel" not in sys.modules or not params:
-        return None
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    if model is not None:
-        found = [m for m in model.modules() if isinstance(m, DDP)]
-        if found:
-            return found[0]
-    # Hooks attached to ddp.module, or to every owned parameter: find the wrapper itself.
-    ids = {id(p) for p in params}
-    for obj in gc.get_objects():
-        if isinstance(obj, DDP) and any(id(p) in ids for p in obj.module.parameters()):
-            return obj
-    return None
-
-
-def hand_over_reduced(ddp: Any, pipeline: Any) -> None:
-    """Asynchronous mode under DDP: each bucket is all-reduced (averaged, as DDP's default
-    hook does), then its hooked parameters' slices of it go to ``pipeline`` as their
-    gradients, in backward; the rest are sent from p.grad, reduced by then, at the step.
-
-    The comm hook is registered once per DDP model (DDP allows one) and follows the
-    pipeline attached last; without one it only all-reduces.
-    """
-    import weakref
-    previous = getattr(ddp, "_adambridge_pipeline", None)
-    ddp._adambridge_pipeline = weakref.ref(pipeline)
-    if previous is not None:
-        return
-    if getattr(ddp, "_comm_hooks", None):  # DDP keeps (hook, state) of each registered
-        raise RuntimeError("attach_hooks() on a DDP model that already has a comm hook: "
-                           "adambridge needs DDP's one comm hook; remove yours")
-    ddp.register_comm_hook(weakref.ref(ddp), _reduce_then_update)
-
-
-def _reduce_then_update(ddp_ref, bucket):  # DDP checks a comm hook's annotations: none
-    import torch.distributed as dist
-    ddp = ddp_ref()
-    group = ddp.process_group if ddp is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    buffer.div_(group.size())
-    # Waits here (the host update must see the sum; on CUDA the stream waits, not the CPU).
-    dist.all_reduce(buffer, group=group, async_op=True).wait()
-    pipeline_ref = getattr(ddp, "_adambridge_pipeline", None)
-    pipeline = pipeline_ref() if pipeline_ref is not None else None
-    if pipeline is not None and pipeline.opt is not None and pipeline.opt._pipeline is pipeline:
-        for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph);
-            # step() sends it from p.grad if DDP writes another rank's reduced one there.
-            if pipeline.hooks(p) and p.grad is not None:
-                pipeline.on_grad(p, grad)
-    done = torch.futures.Future()
-    done.set_result(buffer)
-    return done
 
 
 class GroupLookup:

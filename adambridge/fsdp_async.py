@@ -13,7 +13,9 @@ output before the divide and the cast, and only one hook per module.)
 The hook hands the shard to a worker thread that updates every shard that has landed in one
 batch (distributed.update_shards, the synchronous step's own code, so the bits are those of
 ``step()``); ``step()`` waits for it, updates any parameter no hook delivered, and raises
-what failed.
+what failed. With ``release_grads`` (the default) it then sets every gradient it applied to
+None (FSDP2 keeps the sharded gradient in ``p.grad``), so a loop without ``zero_grad()``
+never adds a backward onto an applied gradient.
 
 Limits, each refused in one line: the local shards must be in host memory (CPU training, or
 ``CPUOffloadPolicy`` on GPUs); no ``max_grad_norm``, torch clipping, GradScaler or autotune
@@ -115,6 +117,7 @@ class ShardUpdater(LandedWorker):
         distributed.sync_step(self.opt, stats, began, skip=done)
         stats.num_params += len(done)
         self._held = False
+        self._release_grads()
 
     def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:
         done = ("nothing was changed" if held else

@@ -100,6 +100,18 @@ class LandedWorker(ABC):
         self._seen, self._done, self._errors = set(), set(), []
         return taken
 
+    def _release_grads(self) -> None:
+        """After a finished step: every gradient it applied leaves p.grad (release_grads)."""
+        # NOTE: one process's hooks release each gradient they take, so a loop without
+        # zero_grad() never adds a new backward onto an applied gradient; DDP's buckets and
+        # FSDP2's sharded gradients stay in p.grad until the step, which updated every
+        # parameter that has one, so the step releases them all.
+        opt = self.opt
+        if opt.release_grads:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
     def _stop_worker(self) -> None:
         self._queue.put(_STOP)
         self._thread.join()

@@ -334,23 +334,34 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         inside ``with opt.accumulate():``. Clipping (``max_grad_norm``, or torch's
         ``clip_grad_norm_`` on these parameters) and GradScaler work as in ``step()``.
         """
-        from . import pipeline
+        from . import ddp_async, pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        sharded = self._shard_group is not None
+        fsdp2 = not sharded and distributed.holds_dtensors(self)
+        if not sharded and not fsdp2:
+            ddp_async.refuse_unknown_wrapper(model, "attach_hooks()")
         self.release_plan()  # the pipeline reads the write records and owns the steps now
-        if self._shard_group is not None:  # shard_state: this rank's ranges, from DDP's hook
+        if sharded:  # shard_state: this rank's ranges, from DDP's hook
             from . import zero_async
             self._pipeline = zero_async.attach(self, model, accumulation_steps, closes_window)
             return
-        if distributed.holds_dtensors(self):  # FSDP2: shards updated as their grads land
+        if fsdp2:  # FSDP2: shards updated as their grads land
             from . import fsdp_async
             self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
             return
-        ddp = distributed.check_attach(model, [p for g in self.param_groups for p in g["params"]])
+        ddp = ddp_async.wrapper_in(model)
+        if ddp is not None:
+            ddp_async.refuse_foreign_comm_hook(ddp)
+        # Several ranks and no DDP in sight (its .module, perhaps): no gradient hook until a
+        # DDP's forward is seen running the model (ddp_async.py).
+        late = ddp is None and ddp_async.world_size() > 1
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
-                        closes_window=closes_window, hook_grads=ddp is None)
+                        closes_window=closes_window, hook_grads=ddp is None and not late)
         if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
-            distributed.hand_over_reduced(ddp, self._pipeline)
+            ddp_async.hand_over_reduced(ddp, self._pipeline)
+        elif late:
+            ddp_async.bind_when_wrapped(model, self._pipeline)
 
     def detach_hooks(self) -> None:
         """Remove the hooks (always) and go back to synchronous ``step()``."""

@@ -112,7 +112,8 @@ class Pipeline(FactsMixin):
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.tuner = None
-        # hook_grads=False: someone else calls on_grad (distributed.py's DDP comm hook).
+        # hook_grads=False: someone else calls on_grad (ddp_async.py's DDP comm hook).
+        self._hooks_grads = hook_grads
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
                    for p in self.hooked] if hook_grads else []
         # Weak references to the lanes, not their queues: a revived lane has a new queue, and
@@ -403,6 +404,7 @@ class Pipeline(FactsMixin):
             except Exception as exc:  # noqa: BLE001 - e.g. a non-finite norm
                 record.fail(exc)
         self._flush(record)
+        self._release_handed_over(record)
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
             lane.transport.finish()  # the current stream waits for the copies back
@@ -445,6 +447,15 @@ class Pipeline(FactsMixin):
                 lane.wait(unit, _SYNC_TIMEOUT_S)
             except (RuntimeError, TimeoutError) as exc:
                 record.fail(exc)
+
+    def _release_handed_over(self, record: StepRecord) -> None:
+        # NOTE: a hook releases the gradient it takes (release_grads), so the next backward
+        # starts from none even without zero_grad(); a gradient handed over by DDP's comm
+        # hook stays in p.grad (DDP writes it there after the hook), and would be added onto
+        # by that backward: the step releases it, once the worker has used the bucket.
+        if not self._hooks_grads and self.opt.release_grads:
+            for p in record.jobs:
+                p.grad = None
 
     def _end_jobs(self, record: StepRecord) -> None:
         if record.failed:

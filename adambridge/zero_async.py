@@ -1,6 +1,6 @@
 """Asynchronous mode with sharded host state (``shard_state=True``) under DDP.
 
-The hook point is the DDP comm hook of distributed.hand_over_reduced: it all-reduces each
+The hook point is the DDP comm hook of ddp_async.hand_over_reduced: it all-reduces each
 bucket (averaged, so ``p.grad`` stays whole and correct on every rank) and hands each
 parameter's reduced gradient here, while backward goes on. Only this rank's range of it
 (zero.chunk_range) is kept; a worker thread updates every range that has landed in one
@@ -13,8 +13,12 @@ The first step after ``attach_hooks`` is held (updated by ``step()``), so whatev
 refused there is refused with nothing changed. Before raising, the ranks agree on whether
 any of them failed, so one rank's error never leaves the others waiting in the all-gather.
 
-Limits, each refused in one line: the model must be a DDP model (a hook on a plain model
-would see this rank's unreduced gradient); no ``max_grad_norm``, torch clipping, GradScaler
+With ``release_grads`` (the default) ``step()`` then sets every gradient it applied to None,
+so a loop without ``zero_grad()`` never adds a backward onto an applied gradient.
+
+Limits, each refused in one line: attach_hooks must be given the DDP model itself (its comm
+hook must be in place before the first backward; a hook on a plain model would see this
+rank's unreduced gradient); no ``max_grad_norm``, torch clipping, GradScaler
 or autotune (step-wide facts that exist only after ranges were updated); accumulate with
 DDP's ``model.no_sync()`` on the accumulating passes (DDP then reduces nothing and calls no
 comm hook), not with ``accumulation_steps``, ``closes_window`` or ``opt.accumulate()``; a
@@ -29,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import distributed, zero
+from . import ddp_async, distributed, zero
 from .landed_worker import LandedWorker, with_suffix
 from .stats import StepStats
 
@@ -52,14 +56,16 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
             raise ValueError(f"attach_hooks() with shard_state=True and {name} is not "
                              f"supported; use synchronous opt.step(), or drop {name}")
     owned = [p for group in opt.param_groups for p in group["params"]]
-    ddp = distributed.check_attach(model, owned)
+    ddp = ddp_async.wrapper_in(model)
     if ddp is None:
-        raise ValueError("attach_hooks() with shard_state=True needs a DDP model (its comm "
-                         "hook hands over the all-reduced gradients); wrap the model in "
-                         "DistributedDataParallel, or use synchronous opt.step()")
-    ids = {id(p) for p in (model.parameters() if model is not None else ddp.parameters())}
+        raise ValueError("attach_hooks() with shard_state=True needs the DDP model (its comm "
+                         "hook hands over the all-reduced gradients); pass the "
+                         "DistributedDataParallel itself, not its .module, or use "
+                         "synchronous opt.step()")
+    ddp_async.refuse_foreign_comm_hook(ddp)
+    ids = {id(p) for p in model.parameters()}
     updater = RangeUpdater(opt, [p for p in owned if id(p) in ids and p.requires_grad])
-    distributed.hand_over_reduced(ddp, updater)
+    ddp_async.hand_over_reduced(ddp, updater)
     return updater
 
 
@@ -135,6 +141,7 @@ class RangeUpdater(LandedWorker):
         zero.sync_step(opt, stats, began, skip=done)
         stats.num_params += self._count_updated(done)
         self._held = False
+        self._release_grads()
 
     def _count_updated(self, done: Any) -> int:
         # ``done`` also holds the parameters of which this rank owns nothing (no state).

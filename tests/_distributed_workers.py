@@ -6,6 +6,7 @@ each runs ``SCENARIOS[scenario](rank, world, out_dir)`` and saves its result (a 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -44,7 +45,7 @@ def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = SCENARIOS[scenario](rank, world, out_dir)
+        result = _scenario(scenario)(rank, world, out_dir)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()  # no rank closes its sockets while a peer still finishes a collective
     finally:
@@ -56,6 +57,14 @@ def _main(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _scenario(name: str):
+    """SCENARIOS[name], or function f of module m for a name "m:f" (another workers file)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 # --------------------------------------------------------------------------- models and data
@@ -296,15 +305,15 @@ def ddp_sync(rank: int, world: int, out_dir: str) -> dict:
 
 
 def ddp_async(rank: int, world: int, out_dir: str) -> dict:
-    """DDP + attach_hooks: hooks on the DDP model, on its module, on every owned parameter."""
+    """DDP + attach_hooks: hooks on the DDP model, and on its module (bound at its forward)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from adambridge import AdamBridge
     result = {}
-    for backend, target in (("torch", "ddp"), ("auto", "module"), ("auto", "none")):
+    for backend, target in (("torch", "ddp"), ("auto", "module")):
         model = DDP(make_model())
         opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, backend=backend,
                          small_param_threshold=100)  # the weights are hooked, biases not
-        opt.attach_hooks({"ddp": model, "module": model.module, "none": None}[target])
+        opt.attach_hooks({"ddp": model, "module": model.module}[target])
         train(model, opt, rank)
         result[backend, target] = [p.detach().clone() for p in model.parameters()]
         opt.detach_hooks()

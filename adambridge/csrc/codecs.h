@@ -58,14 +58,16 @@
 #define AB_HAVE_NEON 1
 #endif
 
-/* An fp8 block: 128 elements aligned to the global index (docs/numerics.md section 3). */
+/* An fp8 block: 128 elements counted from the first element of the range's state, which is
+ * the parameter's start or an FSDP2 shard's (docs/numerics.md section 3). */
 #define AB_BLOCK AB_FP8_BLOCK
 
 /* ---- kernel entry points, one per ISA file ------------------------------------------------
  * Update elements [begin, end) of the range `t` (local indices). Preconditions, which
  * dispatch.c guarantees: the tensor is valid; for fp8, begin is a multiple of 128 (so whole
  * blocks, the last one possibly short at the end of the range); the global indices
- * t->offset + [begin, end) share their high 32 bits (one hash key per call).
+ * t->offset + [begin, end) share their high 32 bits (one hash key per call), except in
+ * calls of ab_update_scalar, which hashes each element by itself.
  * flags: AB_KFLAG_STREAM_OUT allows non-temporal stores for `out`. */
 #define AB_KFLAG_STREAM_OUT 1
 typedef void (*ab_kernel_fn)(const ab_tensor *t, int64_t begin, int64_t end, int flags);

@@ -184,8 +184,6 @@ static int ab_validate(const ab_tensor *t)
         if (t->precision == AB_MOMENTS_FP8 && (!t->exp_avg_scale || !t->exp_avg_sq_scale))
             return AB_EINVAL;
     }
-    if (t->precision == AB_MOMENTS_FP8 && t->offset % AB_BLOCK != 0)
-        return AB_EALIGN;
     return AB_OK;
 }
 
@@ -197,7 +195,9 @@ static int ab_stream_flags(const ab_tensor *t)
 }
 
 /* Elements [lo, hi) of t, cut where the global index crosses a multiple of 2^32 so that each
- * kernel call has one hash key (a multiple of 2^32 is also one of 128: fp8 blocks stay whole). */
+ * kernel call has one hash key. fp8 blocks start at the range's own start, and a range may
+ * start anywhere (an FSDP2 shard): a block that holds such a crossing is updated by the
+ * scalar kernel, which hashes every element by itself, so no block is ever cut. */
 static void ab_run_range(ab_kernel_fn kernel, const ab_tensor *t, int64_t lo, int64_t hi)
 {
     int flags = ab_stream_flags(t);
@@ -207,6 +207,15 @@ static void ab_run_range(ab_kernel_fn kernel, const ab_tensor *t, int64_t lo, in
         int64_t cut = hi;
         if ((uint64_t)(t->offset + hi) > boundary)
             cut = (int64_t)(boundary - (uint64_t)t->offset);
+        if (cut < hi && t->precision == AB_MOMENTS_FP8 && cut % AB_BLOCK != 0) {
+            int64_t b0 = cut / AB_BLOCK * AB_BLOCK;        /* lo is a block start: b0 >= lo */
+            int64_t b1 = b0 + AB_BLOCK < hi ? b0 + AB_BLOCK : hi;
+            if (lo < b0)
+                kernel(t, lo, b0, flags);
+            ab_update_scalar(t, b0, b1, flags);
+            lo = b1;
+            continue;
+        }
         kernel(t, lo, cut, flags);
         lo = cut;
     }

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from . import platform_facts
+
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 BENCH_SCRIPT = SOURCE_ROOT / "benchmarks" / "bench_kernels.py"
 
@@ -35,7 +37,8 @@ def environment_facts() -> Facts:
     return [("adambridge", f"{_version()} ({Path(__file__).resolve().parent})"),
             ("torch", torch.__version__),
             ("python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"),
-            ("platform", f"{platform.platform()} {platform.machine()}")]
+            ("platform", f"{platform.platform()} {platform.machine()}"),
+            ("os calls", platform_facts.describe())]
 
 
 def native_facts() -> tuple[Facts, bool]:

@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -90,7 +91,8 @@ def topology_facts() -> Facts:
 def tier_facts() -> Facts:
     """The NVMe tier (issue 14): whether O_DIRECT works under $TMPDIR, and the I/O engine."""
     from .nvme_engine import describe_tier_io
-    return [("nvme tier", describe_tier_io(os.environ.get("TMPDIR", "/tmp")))]
+    # (gettempdir: $TMPDIR, else the system's own, which on Windows is no "/tmp")
+    return [("nvme tier", describe_tier_io(tempfile.gettempdir()))]
 
 
 def _print_facts(facts: Facts) -> None:

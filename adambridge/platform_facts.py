@@ -301,7 +301,9 @@ def try_lock(fd: int) -> bool:
     try:
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EDEADLK):  # the CRT's "locked by someone else"
+        # NOTE: the C runtime says "locked by someone else" with EACCES (EDEADLOCK after its
+        # retries); wine 8.0's says it with errno 0. Either way the directory is refused.
+        if exc.errno in (errno.EACCES, errno.EDEADLK, 0):
             return False
         raise
     return True

@@ -36,8 +36,9 @@ class FakeMsvcrt:
 
     LK_UNLCK, LK_LOCK, LK_NBLCK = 0, 1, 2
 
-    def __init__(self) -> None:
+    def __init__(self, held_errno: int = errno.EACCES) -> None:
         self.offsets: list[int] = []
+        self.held_errno = held_errno
 
     def locking(self, fd: int, mode: int, nbytes: int) -> None:
         assert mode == self.LK_NBLCK and nbytes == 1
@@ -45,7 +46,7 @@ class FakeMsvcrt:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OSError(errno.EACCES, "Permission denied") from None
+            raise OSError(self.held_errno, os.strerror(self.held_errno)) from None
 
 
 class Calls:
@@ -58,10 +59,10 @@ class Calls:
 
 
 @contextlib.contextmanager
-def as_system(system: str):
+def as_system(system: str, held_errno: int = errno.EACCES):
     """platform_facts answers as ``system``'s CPython. Patched by hand, not by monkeypatch:
     the fault tests call monkeypatch.undo() in their middle, and the system must stay."""
-    calls, fake = Calls(), FakeMsvcrt()
+    calls, fake = Calls(), FakeMsvcrt(held_errno)
     real_fsync, real_fdatasync = os.fsync, os.fdatasync
 
     def fsync(fd):
@@ -168,8 +169,10 @@ def test_platform_windows_rename_is_durable_itself_and_directories_are_not_opene
     assert calls.fsyncs == 0
 
 
-def test_platform_windows_lock_sits_past_the_token_and_refuses_a_second_holder(tmp_path):
-    with as_system("windows") as (_, fake):
+# (errno 0: how wine 8.0's C runtime reports a held lock)
+@pytest.mark.parametrize("held_errno", [errno.EACCES, errno.EDEADLK, 0])
+def test_platform_windows_lock_sits_past_the_token_and_refuses_a_second_holder(held_errno, tmp_path):
+    with as_system("windows", held_errno) as (_, fake):
         first = nvme_io.lock_directory(tmp_path)
         token = nvme_io.claim_directory(tmp_path, first)
         with pytest.raises(ValueError, match=r"is in use by another optimizer"):

@@ -21,9 +21,9 @@ ARCH = {"aarch64": "aarch64", "x86_64": "x86_64"}
 SUFFIX = {"darwin": ".dylib", "win32": ".dll"}
 
 
-def zig(target: str, tool: str) -> build.Compiler:
+def zig(target: str, tool: str, cwd: Path) -> build.Compiler:
     argv = (sys.executable, "-m", "ziglang", tool, "-target", target)
-    banner = build._run([*argv, "--version"]).stdout
+    banner = build._run([*argv, "--version"], cwd=cwd).stdout
     return build.Compiler(argv, banner)
 
 
@@ -48,7 +48,7 @@ def main(target: str, platform: str, out: Path, torch_root: Path | None) -> int:
     build.machine = lambda: arch
     build.LIB_NAME = "libadambridge" + SUFFIX[platform]
     build.UNIX_LINK = build.unix_link(platform)
-    cc, cxx = zig(target, "cc"), zig(target, "c++")
+    cc, cxx = zig(target, "cc", out), zig(target, "c++", out)
     said = _quiet_runs()
     plan = build.make_plan(compiler=cc)
     report = build.compile_into(plan, out)

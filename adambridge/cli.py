@@ -6,8 +6,11 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
+
+from . import platform_facts
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 BENCH_SCRIPT = SOURCE_ROOT / "benchmarks" / "bench_kernels.py"
@@ -35,7 +38,8 @@ def environment_facts() -> Facts:
     return [("adambridge", f"{_version()} ({Path(__file__).resolve().parent})"),
             ("torch", torch.__version__),
             ("python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"),
-            ("platform", f"{platform.platform()} {platform.machine()}")]
+            ("platform", f"{platform.platform()} {platform.machine()}"),
+            ("os calls", platform_facts.describe())]
 
 
 def native_facts() -> tuple[Facts, bool]:
@@ -87,7 +91,8 @@ def topology_facts() -> Facts:
 def tier_facts() -> Facts:
     """The NVMe tier (issue 14): whether O_DIRECT works under $TMPDIR, and the I/O engine."""
     from .nvme_engine import describe_tier_io
-    return [("nvme tier", describe_tier_io(os.environ.get("TMPDIR", "/tmp")))]
+    # (gettempdir: $TMPDIR, else the system's own, which on Windows is no "/tmp")
+    return [("nvme tier", describe_tier_io(tempfile.gettempdir()))]
 
 
 def _print_facts(facts: Facts) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from . import platform_facts
 from .nvme_io import IOEngine, IOPool, describe_direct_io
 from .nvme_uring import UringEngine, open_ring, uring_library
 
@@ -41,7 +42,9 @@ def open_engine(io_engine: str, queue_depth: int) -> IOEngine:
     choice = resolve(io_engine)
     if choice == "threads":
         return IOPool(queue_depth)
-    lib, why = uring_library()
+    lib, why = None, f"io_uring is Linux-only, this is {platform_facts.facts().system}"
+    if platform_facts.facts().system == "linux":
+        lib, why = uring_library()
     ring = None
     if lib is not None:
         ring, why = open_ring(lib, _ring_entries(queue_depth))

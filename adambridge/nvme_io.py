@@ -6,12 +6,12 @@ completions reaped by the thread that waits) where the kernel allows it, and her
 ``queue_depth`` threads doing ``os.preadv``/``os.pwritev`` (both release the GIL) where it
 does not. Both give the same results and the same one-line errors (``check_transfer``).
 Where a filesystem refuses O_DIRECT (EINVAL at open) the file falls back to buffered I/O,
-with one warning per directory.
+with one warning per directory. Every call that only some systems have (O_DIRECT, flock,
+posix_fallocate, fdatasync, preadv) goes through platform_facts.py, which has the fallback.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import platform_facts
 from .state import HUGE_PAGE, advise_huge_pages
 
 ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to the block size
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _log = logging.getLogger("adambridge")
 _warned_dirs: set[str] = set()
 
@@ -54,13 +54,11 @@ def _huge_page_map(nbytes: int) -> tuple[mmap.mmap, int]:
     run of a buffer into one DMA segment, and on this project's virtio disk an O_DIRECT
     record from a buffer of 768 scattered 4 KiB pages moved ~1.5x slower than from two huge
     pages (~1.1x with 250 runs). Where the kernel has no huge page to give, the buffer is
-    ordinary 4 KiB pages: slower, the same bytes. (``mmap.mmap(-1, n)`` alone would be
-    MAP_SHARED shmem, which transparent huge pages leave out.)"""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    ordinary 4 KiB pages: slower, the same bytes (platform_facts.anonymous_map)."""
     if nbytes < _HUGE_BUFFER:
-        return mmap.mmap(-1, nbytes, flags=flags), 0
+        return platform_facts.anonymous_map(nbytes), 0
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    whole = mmap.mmap(-1, span + HUGE_PAGE, flags=flags)  # the slack lets it start aligned
+    whole = platform_facts.anonymous_map(span + HUGE_PAGE)  # the slack lets it start aligned
     memory = torch.frombuffer(whole, dtype=torch.uint8)
     start = -memory.data_ptr() % HUGE_PAGE
     advise_huge_pages(memory[start:start + span], min_bytes=HUGE_PAGE)
@@ -115,7 +113,7 @@ class DataFile:
         self.fd, self.direct = _open(path)
         try:
             # Reserve the space now, so a full drive fails the first step, not a later one.
-            os.posix_fallocate(self.fd, 0, nbytes)
+            platform_facts.reserve(self.fd, nbytes)
         except OSError as exc:
             os.close(self.fd)
             raise TierError(describe_os_error(f"reserving {nbytes} bytes for", path, exc)) from None
@@ -132,7 +130,7 @@ class DataFile:
         # NOTE: O_DIRECT bypasses the page cache, not the drive's write cache: fdatasync is
         # what makes the new pages durable before the manifest names them.
         try:
-            os.fdatasync(self.fd)
+            platform_facts.data_sync(self.fd)
         except OSError as exc:
             raise TierError(describe_os_error("syncing", self.path, exc)) from None
 
@@ -147,19 +145,22 @@ class ReadOnlyFile:
 
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path, self.nbytes, self.direct = path, nbytes, False
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(path, os.O_RDONLY | platform_facts.facts().binary)
 
     check_size = DataFile.check_size
     close = DataFile.close
 
 
 def _open(path: Path) -> tuple[int, bool]:
-    flags = os.O_RDWR | os.O_CREAT
+    flags = platform_facts.open_flags()
+    direct = platform_facts.open_flags(uncached=True)
     try:
-        return os.open(path, flags | _O_DIRECT, 0o600), bool(_O_DIRECT)
+        fd = os.open(path, direct, 0o600)
     except OSError as exc:
-        if exc.errno != errno.EINVAL or not _O_DIRECT:
+        if exc.errno != errno.EINVAL or direct == flags:
             raise TierError(describe_os_error("opening", path, exc)) from None
+    else:
+        return fd, direct != flags or platform_facts.set_uncached(fd)
     directory = str(path.parent)
     if directory not in _warned_dirs:
         _warned_dirs.add(directory)
@@ -172,8 +173,8 @@ def _open(path: Path) -> tuple[int, bool]:
 
 
 # The two system calls, module-level so tests can inject faults (EIO, ENOSPC, short reads).
-_preadv: Callable[[int, list, int], int] = os.preadv
-_pwritev: Callable[[int, list, int], int] = os.pwritev
+_preadv: Callable[[int, list, int], int] = platform_facts.preadv
+_pwritev: Callable[[int, list, int], int] = platform_facts.pwritev
 
 
 LOCK_FILE = "adambridge.lock"
@@ -184,19 +185,20 @@ def lock_directory(directory: Path) -> int:
     the directory writable at construction rather than at the first step."""
     path = directory / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, platform_facts.open_flags(), 0o600)
     except OSError as exc:
         raise ValueError(describe_os_error("creating", path, exc)) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = platform_facts.try_lock(fd)
     except OSError as exc:
         os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            # A filesystem without flock (some network mounts) cannot keep two optimizers,
-            # or two nodes, apart: refuse it rather than share the files unguarded.
-            raise ValueError(f"offload_dir {str(directory)!r} cannot be locked (flock: "
-                             f"{exc.strerror or exc}); use a directory on a local drive, "
-                             f"one per optimizer") from None
+        # A filesystem without locks (some network mounts) cannot keep two optimizers,
+        # or two nodes, apart: refuse it rather than share the files unguarded.
+        raise ValueError(f"offload_dir {str(directory)!r} cannot be locked "
+                         f"({platform_facts.facts().lock}: {exc.strerror or exc}); use a "
+                         f"directory on a local drive, one per optimizer") from None
+    if not locked:
+        os.close(fd)
         raise ValueError(f"offload_dir {str(directory)!r} is in use by another optimizer; "
                          f"give each optimizer its own directory{_per_rank_hint(directory)}, "
                          f"or let the other go first (opt.nvme_tier.close() on the old "
@@ -228,8 +230,7 @@ def _drop_inherited_locks() -> None:
     _held_locks.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_inherited_locks)
+platform_facts.at_fork_in_child(_drop_inherited_locks)
 
 
 def claim_directory(directory: Path, fd: int) -> bytes:
@@ -239,7 +240,7 @@ def claim_directory(directory: Path, fd: int) -> bytes:
     token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}\n".encode()
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, token, 0)
+        platform_facts.pwritev(fd, [token], 0)
     except OSError as exc:
         raise ValueError(describe_os_error("writing", directory / LOCK_FILE, exc)) from None
     return token
@@ -418,19 +419,22 @@ def describe_direct_io(directory: str, engine: str) -> str:
     """One line for ``python -m adambridge info``: does O_DIRECT work in ``directory``, and
     which engine (``engine``, an IOEngine.describe()) would move the pages?"""
     path = Path(directory) / f".adambridge-probe-{os.getpid()}"
+    uncached = platform_facts.facts().uncached
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_DIRECT, 0o600)
+        fd = os.open(path, platform_facts.open_flags(uncached=True), 0o600)
     except OSError as exc:
         return f"O_DIRECT refused in {directory} ({exc.strerror}): an offload_dir there is buffered"
     try:
         buffer = AlignedBuffer(ALIGN)
-        os.pwritev(fd, [buffer.memory], 0)
-        os.preadv(fd, [buffer.memory], 0)
+        platform_facts.set_uncached(fd)
+        platform_facts.pwritev(fd, [buffer.memory], 0)
+        platform_facts.preadv(fd, [buffer.memory], 0)
     except OSError as exc:
-        return f"O_DIRECT I/O fails in {directory} ({exc.strerror}): pass another offload_dir"
+        return f"{uncached or 'file'} I/O fails in {directory} ({exc.strerror}): pass another offload_dir"
     finally:
         os.close(fd)
         path.unlink()
-    return (f"O_DIRECT works in {directory} (offload_dir=...; I/O by {engine}; "
-            f"opt.placement() shows what goes there)")
-
+    works = "O_DIRECT works" if uncached == "O_DIRECT" else \
+        f"no O_DIRECT on {platform_facts.facts().system}; " + \
+        ("F_NOCACHE files work" if uncached else "buffered files work")
+    return f"{works} in {directory} (offload_dir=...; I/O by {engine}; opt.placement() shows what goes there)"

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import codecs
+from . import codecs, platform_facts
 from .codecs import FP8_BLOCK
 from .nvme_io import (AlignedBuffer, DataFile, ReadOnlyFile, TierError, align_up,
                       describe_os_error)
@@ -129,7 +129,7 @@ def stage_manifest(directory: Path, page_size: int, dirs: tuple[Path, ...],
         with open(temp, "w") as handle:
             handle.write(body)
             handle.flush()
-            os.fdatasync(handle.fileno())
+            platform_facts.data_sync(handle.fileno())
     except OSError as exc:
         raise TierError(describe_os_error("publishing the manifest", directory / MANIFEST,
                                           exc)) from None
@@ -139,18 +139,14 @@ def rename_manifest(directory: Path) -> None:
     """The staged manifest replaces the committed one, atomically."""
     path = directory / MANIFEST
     try:
-        os.replace(directory / (MANIFEST + ".tmp"), path)
+        platform_facts.replace(directory / (MANIFEST + ".tmp"), path)
     except OSError as exc:
         raise TierError(describe_os_error("publishing the manifest", path, exc)) from None
 
 
 def sync_directory(directory: Path) -> None:
     try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        platform_facts.sync_directory(directory)
     except OSError as exc:
         raise TierError(describe_os_error("syncing the directory", directory, exc)) from None
 
@@ -203,7 +199,7 @@ def read_state(files: ParamFiles, buffer: AlignedBuffer, generation: int, step: 
     for k in range(files.num_pages):
         start, numel = files.page(k)
         file, offset = files.locate(k, generation)
-        got = os.preadv(file.fd, [buffer.memory[:layout.record_bytes]], offset)
+        got = platform_facts.preadv(file.fd, [buffer.memory[:layout.record_bytes]], offset)
         if got != layout.record_bytes:
             raise TierError(f"NVMe tier: reading {file.path} at byte {offset} returned {got} "
                             f"bytes: it was truncated outside adambridge; restore the optimizer "

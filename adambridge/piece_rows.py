@@ -31,7 +31,7 @@ _GRAD = loader.AbTensor.grad.offset
 _OUT = loader.AbTensor.out.offset
 _KEY = loader.AbTensor.key.offset            # key, then grad_dtype (both 32-bit)
 _OUT_CODE = loader.AbTensor.out_dtype.offset
-_HYPER = loader.AbTensor.hyper.offset
+_HYPER = loader.AbTensor.hparams.offset
 _POINTER = struct.Struct("=Q")
 _KEY_AND_DTYPE = struct.Struct("=Ii")
 _CODE = struct.Struct("=i")

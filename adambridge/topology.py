@@ -1,6 +1,7 @@
 """Host topology: NUMA nodes, the node a GPU hangs off, the CPUs we may run on. Read once, frozen.
 
-Everything comes from Linux sysfs. Each reader takes ``root`` (default "/") so tests can point
+Everything comes from Linux sysfs, read only on Linux (elsewhere "/sys" may be anything, e.g.
+the Linux host's own under wine). Each reader takes ``root`` (default "/") so tests can point
 it at a fake tree. Where a fact is missing (not Linux, a VM without NUMA, an old kernel) the
 answer is "unknown": an empty tuple or -1, and callers then pin nothing.
 """
@@ -12,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from . import platform_facts
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,14 @@ def format_cpulist(cpus) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def _sysfs(root: str) -> bool:
+    """Whether root/sys is Linux's sysfs for this host (a test's fake tree always is)."""
+    return root != "/" or platform_facts.facts().system == "linux"
+
+
 def _read(root: str, *parts: str) -> Optional[str]:
+    if not _sysfs(root):
+        return None
     try:
         return Path(root, *parts).read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -70,6 +80,8 @@ def numa_nodes(root: str = "/") -> tuple[NumaNode, ...]:
     """The NUMA nodes with their CPUs, by index; () when sysfs does not say."""
     base = Path(root, "sys/devices/system/node")
     nodes = []
+    if not _sysfs(root):
+        return ()
     try:
         entries = [p.name for p in base.iterdir()]
     except OSError:

@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 
 import pytest
 import torch
+
+# NOTE: tests that assume a POSIX system say which part, so the suite runs on Windows too
+# and names what it left out there.
+NEEDS_FORK = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX only)")
+NEEDS_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"),
+                                reason="reads Linux's /proc")
+NEEDS_SIGKILL = pytest.mark.skipif(not hasattr(signal, "SIGKILL"),
+                                   reason="sends SIGKILL (POSIX signals only)")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge, worker
+from conftest import NEEDS_PROC
 
 
 class InBackward(torch.autograd.Function):
@@ -163,6 +164,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@NEEDS_PROC
 def test_memory_flat_over_5000_steps_with_the_cyclic_gc_off():
     # 64x64 layers with a 3 MiB-ish footprint would make each leaked step's gradients show.
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8))

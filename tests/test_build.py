@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from adambridge._native import build, cache as cachemod, loader
+from conftest import NEEDS_FORK
 
 X86 = build.machine() == "x86_64"
 
@@ -348,6 +349,7 @@ def test_import_compiles_nothing(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@NEEDS_FORK
 def test_a_child_forked_during_a_build_does_not_hold_its_lock(tmp_path):
     # Another process waiting for the lock must get it once the parent is done, even while
     # a child forked in the middle of the build (a DataLoader worker) still runs.

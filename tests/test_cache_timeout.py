@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from adambridge._native import build, cache as cachemod
+from conftest import NEEDS_PROC, NEEDS_SIGKILL
 from test_build import NATIVE_INIT, NATIVE_ONLY, X86, _fresh_memos, cache, mini_src  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="the fake compilers are POSIX shell scripts")
@@ -47,6 +48,7 @@ def _temps(root: Path) -> list:
     return sorted(p.name for p in root.iterdir() if ".tmp-" in p.name)
 
 
+@NEEDS_PROC
 def test_build_compiler_that_never_returns_is_killed_after_the_timeout(mini_src, cache, tmp_path, monkeypatch):
     # `sleep` as a child, not exec'd: it holds the output pipe after sh is killed, as cc1 would.
     body = f"sleep 1000 & echo $! >> {tmp_path / 'pids'}; wait; echo never"
@@ -92,6 +94,7 @@ def test_build_timeout_env_rejects_a_bad_value(monkeypatch, value):
 _BUILD_AND_HANG = NATIVE_ONLY + "native.cache.build(sys.argv[2], sys.argv[3])\n"
 
 
+@NEEDS_SIGKILL
 def test_build_removes_temp_dirs_of_killed_builds_only(mini_src, cache, tmp_path):
     # A build killed with SIGKILL mid-compile leaves its temp dir ...
     env = dict(os.environ, ADAMBRIDGE_CC=str(_fake_cc(tmp_path, "exec sleep 1000")), ADAMBRIDGE_BUILD_TIMEOUT="300")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
 import stat
@@ -25,6 +24,8 @@ from adambridge._native import build, cache as cachemod, loader, trusted
 from test_build import MINI_MAIN, NATIVE_INIT, NATIVE_ONLY, _fresh_memos, _runtime_warnings, cache, mini_src  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX ownership, mode bits and directory fds")
+if os.name != "nt":
+    import pwd  # (Windows has no pwd module; every test here skips there)
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root: only root can give a file to another user")

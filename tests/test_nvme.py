@@ -14,6 +14,7 @@ from adambridge import AdamBridge, AutoTuneConfig, nvme, nvme_engine, nvme_io
 from adambridge.nvme import OffloadConfig
 from adambridge.nvme_io import TierError
 from adambridge.nvme_layout import PageLayout, read_committed
+from conftest import NEEDS_FORK
 
 
 def _uring_unavailable() -> str:
@@ -450,6 +451,7 @@ def test_io_uring_registers_the_page_ring_or_runs_without(pinned, tmp_path, monk
 
 
 @NEEDS_URING
+@NEEDS_FORK
 def test_io_uring_is_refused_in_a_forked_child(tmp_path):
     _, opt = _run(CONFIGS[1], "torch", 1, **_tier_args(tmp_path, engine="io_uring"))
     read, write = os.pipe()
@@ -637,6 +639,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@NEEDS_FORK
 def test_a_forked_child_neither_steps_the_tier_nor_keeps_its_directory_locked(engine, tmp_path):
     # Two processes writing one set of files would corrupt them silently; and an flock held
     # through a DataLoader worker's inherited descriptor kept the directory locked after

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from adambridge import pinned
+from conftest import NEEDS_FORK
 from test_pinned import FakeCudart
 
 
@@ -56,6 +57,7 @@ def test_pinned_clear_error_falls_back_to_the_loaded_runtime(monkeypatch):
     assert pinned.clear_cuda_error() == 7 and calls == [1]
 
 
+@NEEDS_FORK
 def test_pinned_fork_child_never_unregisters_and_refuses_use(cudart):
     buffer = pinned.pinned_empty(1 << 18, torch.float32)
     assert buffer.usable and pinned.live_registered_bytes() >= buffer.nbytes

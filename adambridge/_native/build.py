@@ -48,10 +48,16 @@ INFO_HINT = "run python -m adambridge info"
 # rounds once per operation exactly like the torch twin (docs/numerics.md).
 UNIX_COMPILE = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden",
                 "-fno-lto", "-pthread", "-std=c11")
-UNIX_LINK = ("-shared", "-pthread", "-lm")
-# Linux: an undefined symbol (a source missing from csrc/) fails the link, not the first dlopen.
-if sys.platform.startswith("linux"):
-    UNIX_LINK += ("-Wl,-z,defs",)
+
+
+def unix_link(platform: str = sys.platform) -> tuple[str, ...]:
+    """Link flags for gcc, clang and zig cc on platform (a sys.platform value). On Linux an
+    undefined symbol (a source missing from csrc/) fails the link, not the first dlopen; the
+    macOS and Windows linkers refuse one by default."""
+    return ("-shared", "-pthread", "-lm") + (("-Wl,-z,defs",) if platform.startswith("linux") else ())
+
+
+UNIX_LINK = unix_link()
 # MSVC: /fp:precise does not contract a*b+c into an FMA unless /fp:contract is given.
 MSVC_COMPILE = ("/nologo", "/O2", "/fp:precise", "/std:c11", "/experimental:c11atomics")
 MSVC_LINK = ("/nologo", "/LD")

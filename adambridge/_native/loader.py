@@ -45,7 +45,7 @@ class AbTensor(ctypes.Structure):
                 ("exp_avg_sq_scale", c_void_p), ("out", c_void_p), ("n", c_int64),
                 ("offset", c_int64), ("key", c_uint32), ("grad_dtype", c_int32),
                 ("out_dtype", c_int32), ("precision", c_int32),
-                ("stochastic_rounding", c_int32), ("reserved", c_int32), ("hyper", AbHyper)]
+                ("stochastic_rounding", c_int32), ("reserved", c_int32), ("hparams", AbHyper)]
 
 
 AB_TASK_FN = ctypes.CFUNCTYPE(None, c_void_p, c_int)
@@ -235,7 +235,7 @@ _I64_GRAD = 1
 _I64_SIZES = slice(7, 9)       # n, offset
 _I32_KEY = AbTensor.key.offset // 4
 _I32_CODES = slice(_I32_KEY, _I32_KEY + 5)   # key, grad_dtype, out_dtype, precision, sr
-_F32_HYPER = slice(AbTensor.hyper.offset // 4, AbTensor.hyper.offset // 4 + 7)
+_F32_HYPER = slice(AbTensor.hparams.offset // 4, AbTensor.hparams.offset // 4 + 7)
 # The functional.Hyper attribute behind each float of struct ab_hyper, in order (its step_size
 # and eps are step_hat and eps_hat, numerics.md section 1).
 HYPER_FIELDS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "decay", "step_hat",
@@ -316,7 +316,7 @@ def _append_row(item, words: list, codes: list) -> None:
 _SMALL_BATCH = 16
 # struct ab_tensor: 7 pointers, n, offset, key, 4 codes, reserved, then struct ab_hyper.
 _ROW = struct.Struct("=7Q2qI5i8f")
-assert _ROW.size <= DESC_BYTES and AbTensor.hyper.offset == _ROW.size - ctypes.sizeof(AbHyper)
+assert _ROW.size <= DESC_BYTES and AbTensor.hparams.offset == _ROW.size - ctypes.sizeof(AbHyper)
 
 
 def _packed_rows(items, words: list, codes: list):

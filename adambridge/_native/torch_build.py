@@ -55,18 +55,25 @@ def find_cxx(until: Optional[float] = None) -> Compiler:
                            + "; ".join(tried) + "); install g++ or set ADAMBRIDGE_CXX.")
 
 
-def _flags() -> tuple[str, ...]:
+def _flags(include: Optional[Path] = None) -> tuple[str, ...]:
+    """Compile flags against torch's headers in include (default: the installed torch's)."""
     import torch
-    include, _ = _torch_dirs()
+    include = include or _torch_dirs()[0]
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return (*CXX_COMPILE, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{sysconfig.get_paths()['include']}",
             f"-I{include}")
 
 
-def _link_flags() -> tuple[str, ...]:
-    _, lib = _torch_dirs()
-    # The Python C API stays undefined here: the interpreter that loads the library has it.
-    return ("-shared", f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+def _link_flags(platform: str = sys.platform, lib: Optional[Path] = None) -> tuple[str, ...]:
+    """Link flags on platform against torch's libraries in lib (default: the installed torch's).
+
+    The Python C API stays undefined here: the interpreter that loads the library has it.
+    NOTE: macOS's linker refuses undefined symbols unless told they come at load time.
+    """
+    lib = lib or _torch_dirs()[1]
+    lookup = ("-undefined", "dynamic_lookup") if platform == "darwin" else ()
+    return ("-shared", *lookup, f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-lc10",
+            f"-Wl,-rpath,{lib}")
 
 
 def plan(until: Optional[float] = None) -> Plan:

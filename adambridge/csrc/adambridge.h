@@ -68,7 +68,7 @@ typedef struct ab_tensor {
     int32_t precision;        /* enum ab_precision */
     int32_t stochastic_rounding; /* 0 or 1 (ignored for fp32 moments) */
     int32_t reserved;         /* must be 0 */
-    ab_hyper hyper;
+    ab_hyper hparams;         /* not "hyper": windows.h (rpcndr.h) defines hyper as a macro */
 } ab_tensor;
 
 AB_API int ab_abi_version(void);

@@ -331,7 +331,7 @@ AB_INLINE float ab_fp8_elem_update(const ab_tensor *t, int64_t i, uint8_t qm, ui
     float m = ab_e4m3_decode(qm) * scale_m;                   /* m = dec_e4m3(qm) * scale_m */
     float sv = ab_e5m2_decode(qv) * scale_v;                  /* sv = dec_e5m2(qv) * scale_v */
     float v = sv * sv;                                        /* v = sv * sv */
-    float s = ab_adamw_elem(&t->hyper, &t->param[i], g, &m, &v);
+    float s = ab_adamw_elem(&t->hparams, &t->param[i], g, &m, &v);
     ab_store_out(t->out, i, t->param[i], O);
     *m_out = m;
     return s;

@@ -236,7 +236,7 @@ AB_INLINE void avx2_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
                               int prec, int sr, int nt)
 {
     avx2_hyper h;
-    avx2_hyper_init(&h, &t->hyper);
+    avx2_hyper_init(&h, &t->hparams);
     float *pp = t->param;
     const void *gp = t->grad;
     void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
@@ -523,7 +523,7 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
                              int sr, int nt)
 {
     avx2_hyper h;
-    avx2_hyper_init(&h, &t->hyper);
+    avx2_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {

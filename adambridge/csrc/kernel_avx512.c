@@ -291,7 +291,7 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
                                 int prec, int sr, int nt)
 {
     avx512_hyper h;
-    avx512_hyper_init(&h, &t->hyper);
+    avx512_hyper_init(&h, &t->hparams);
     float *pp = t->param;
     const void *gp = t->grad;
     void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
@@ -531,7 +531,7 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
                                int sr, int nt)
 {
     avx512_hyper h;
-    avx512_hyper_init(&h, &t->hyper);
+    avx512_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {

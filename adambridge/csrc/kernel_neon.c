@@ -194,7 +194,7 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
                               int prec, int sr)
 {
     neon_hyper h;
-    neon_hyper_init(&h, &t->hyper);
+    neon_hyper_init(&h, &t->hparams);
     float *pp = t->param;
     const void *gp = t->grad;
     void *mp = t->exp_avg, *vp = t->exp_avg_sq, *op = t->out;
@@ -324,7 +324,7 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
 AB_INLINE void neon_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int G, int O, int sr)
 {
     neon_hyper h;
-    neon_hyper_init(&h, &t->hyper);
+    neon_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {

@@ -17,7 +17,7 @@ static void sc_run_f32(const ab_tensor *t, int64_t begin, int64_t end)
     for (int64_t i = begin; i < end; i++) {
         float g = ab_load_grad(t->grad, i, t->grad_dtype);
         float mi = m[i], vi = v[i];
-        ab_adamw_elem(&t->hyper, &p[i], g, &mi, &vi);
+        ab_adamw_elem(&t->hparams, &p[i], g, &mi, &vi);
         m[i] = ab_canon(mi);                                  /* NaN -> 0x7fc00000 */
         v[i] = ab_canon(vi);
         ab_store_out(t->out, i, p[i], t->out_dtype);
@@ -34,7 +34,7 @@ static void sc_run_bf16(const ab_tensor *t, int64_t begin, int64_t end)
         float g = ab_load_grad(t->grad, i, t->grad_dtype);
         float m = ab_bf16_decode(qm[i]);                      /* m = as_f32(qm << 16) */
         float v = ab_bf16_decode(qv[i]);                      /* v = as_f32(qv << 16) */
-        ab_adamw_elem(&t->hyper, &p[i], g, &m, &v);
+        ab_adamw_elem(&t->hparams, &p[i], g, &m, &v);
         m = ab_canon(m);                                      /* NaN -> 0x7fc00000 */
         v = ab_canon(v);
         if (t->stochastic_rounding) {

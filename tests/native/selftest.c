@@ -3,7 +3,9 @@
  * Build and run (one command, no flags: the ISA files carry their own target pragmas):
  *     cc -O2 -pthread -o selftest tests/native/selftest.c -lm && ./selftest
  * For AArch64 (NEON) on an x86 machine, scripts/neon_check.sh cross-compiles it and runs it
- * under qemu-aarch64. `./selftest --quick` leaves out the 3M-element tensors.
+ * under qemu-aarch64; for Windows, scripts/windows_check.sh builds it with MinGW-w64 gcc and
+ * zig cc and runs it under wine64 (the pool runs Win32 threads there).
+ * `./selftest --quick` leaves out the 3M-element tensors.
  * Checks: kernels (all sizes, dtypes, precisions, rounding modes, offsets, thread counts and
  * chunkings; guard bytes after every buffer; non-finite inputs), codecs (fp8 round trips and error bounds, bf16 and
  * fp16 known values), the hash, a golden step computed with numpy, validation and the pool.
@@ -28,6 +30,46 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+/* ---- the platform: aligned buffers and one extra thread, POSIX or Win32 ------------------- */
+
+#if defined(_WIN32)
+/* the Windows C runtime has no aligned_alloc (its free could not release it) */
+#define test_aligned_alloc(align, bytes) _aligned_malloc((bytes), (align))
+#define test_aligned_free _aligned_free
+typedef struct {
+    void *(*fn)(void *);
+    void *arg;
+    HANDLE handle;
+} test_thread;
+static unsigned __stdcall test_thread_entry(void *p)
+{
+    test_thread *t = (test_thread *)p;
+    t->fn(t->arg);
+    return 0;
+}
+static void test_thread_start(test_thread *t, void *(*fn)(void *), void *arg)
+{
+    t->fn = fn, t->arg = arg;
+    t->handle = (HANDLE)_beginthreadex(NULL, 0, test_thread_entry, t, 0, NULL);
+}
+static void test_thread_join(test_thread *t)
+{
+    WaitForSingleObject(t->handle, INFINITE);
+    CloseHandle(t->handle);
+}
+#else
+#define test_aligned_alloc aligned_alloc
+#define test_aligned_free free
+typedef struct {
+    pthread_t th;
+} test_thread;
+static void test_thread_start(test_thread *t, void *(*fn)(void *), void *arg)
+{
+    pthread_create(&t->th, NULL, fn, arg);
+}
+static void test_thread_join(test_thread *t) { pthread_join(t->th, NULL); }
+#endif
 
 static int n_pass, n_fail;
 
@@ -78,7 +120,7 @@ static tbuf tbuf_new(size_t bytes, size_t shift)
 {
     tbuf b;
     b.bytes = bytes;
-    b.base = (unsigned char *)aligned_alloc(64, (bytes + shift + GUARD + 63) / 64 * 64);
+    b.base = (unsigned char *)test_aligned_alloc(64, (bytes + shift + GUARD + 63) / 64 * 64);
     b.data = b.base + shift;
     memset(b.base, 0xa5, shift);
     memset(b.data + bytes, 0xa5, GUARD);
@@ -100,7 +142,7 @@ typedef struct {
     int64_t n, offset;
     int gdt, odt, prec, sr;
     uint32_t key;
-    ab_hyper hyper;
+    ab_hyper hparams;
     tbuf p, g, m, v, sm, sv, out;
 } state;
 
@@ -128,8 +170,9 @@ static void state_alloc(state *s, int place)
 }
 static void state_free(state *s)
 {
-    free(s->p.base), free(s->g.base), free(s->m.base), free(s->v.base);
-    free(s->sm.base), free(s->sv.base), free(s->out.base);
+    test_aligned_free(s->p.base), test_aligned_free(s->g.base), test_aligned_free(s->m.base);
+    test_aligned_free(s->v.base), test_aligned_free(s->sm.base), test_aligned_free(s->sv.base);
+    test_aligned_free(s->out.base);
 }
 static void state_copy(state *dst, const state *src, int place)
 {
@@ -176,7 +219,7 @@ static float maybe_nonfinite(float x)
 static void state_fill(state *s)
 {
     int t = 1 + (int)(rng_u64() % 2000);
-    hyper_from(&s->hyper, rng_u64() & 1 ? 1e-3 : 0.05, 0.9, rng_u64() & 1 ? 0.999 : 0.95,
+    hyper_from(&s->hparams, rng_u64() & 1 ? 1e-3 : 0.05, 0.9, rng_u64() & 1 ? 0.999 : 0.95,
                1e-8, rng_u64() & 1 ? 0.01 : 0.0, t);
     float *p = (float *)s->p.data;
     for (int64_t i = 0; i < s->n; i++) {
@@ -244,7 +287,7 @@ static ab_tensor state_range(const state *s, int64_t a, int64_t b)
     t.out_dtype = s->odt;
     t.precision = s->prec;
     t.stochastic_rounding = s->sr;
-    t.hyper = s->hyper;
+    t.hparams = s->hparams;
     return t;
 }
 
@@ -514,8 +557,30 @@ static void *concurrent_caller(void *arg)
     return NULL;
 }
 
+/* The in-task flag must be per thread: a thread started from inside a task is not in one.
+ * (A thread-local the compiler ignored would make it one process-wide flag, and a second
+ * thread would take the unlocked nested path of ab_adamw_update.) */
+static int tls_seen = -1;
+static void *tls_probe(void *arg)
+{
+    (void)arg;
+    tls_seen = ab_pool_in_task();
+    return NULL;
+}
+static void tls_task(void *arg, int index)
+{
+    (void)arg;
+    if (index == 0) {
+        test_thread t;
+        test_thread_start(&t, tls_probe, NULL);
+        test_thread_join(&t);
+    }
+}
+
 static void check_pool(void)
 {
+    ab_pool_run(tls_task, NULL);
+    CHECK(tls_seen == 0, "the in-task flag is per thread: a thread started in a task saw %d", tls_seen);
     CHECK(ab_pool_configure(3, NULL, 0) == AB_OK && ab_pool_threads() == 3, "pool of 3");
     memset(task_hits, 0, sizeof(task_hits));
     ab_pool_run(count_task, NULL);
@@ -562,8 +627,8 @@ static void check_pool(void)
     CHECK(task_hits[63] == 1 && state_equal(&want[0], &s[0], why), "nested update: %s", why);
     state c;
     state_copy(&c, &s[1], 0);
-    pthread_t th;
-    pthread_create(&th, NULL, concurrent_caller, &c);
+    test_thread th;
+    test_thread_start(&th, concurrent_caller, &c);
     ab_tensor tmp;
     for (int r = 0; r < 20; r++) {                       /* meanwhile, a second caller */
         state junk;
@@ -572,7 +637,7 @@ static void check_pool(void)
         ab_adamw_update(&tmp, 1);
         state_free(&junk);
     }
-    pthread_join(th, NULL);
+    test_thread_join(&th);
     CHECK(state_equal(&want[1], &c, why), "two concurrent callers: %s", why);
     state_free(&c);
     for (int k = 0; k < 2; k++)

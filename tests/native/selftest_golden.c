@@ -37,7 +37,7 @@ static void check_golden(void)
             memset(&t, 0, sizeof(t));
             t.param = &p, t.grad = &g, t.exp_avg = &m, t.exp_avg_sq = &v, t.n = 1;
             t.grad_dtype = AB_F32, t.out_dtype = AB_NONE, t.precision = AB_MOMENTS_F32;
-            hyper_from(&t.hyper, gold[k].lr, gold[k].b1, gold[k].b2, gold[k].eps, gold[k].wd,
+            hyper_from(&t.hparams, gold[k].lr, gold[k].b1, gold[k].b2, gold[k].eps, gold[k].wd,
                        gold[k].t);
             ab_set_isa(isas[ii]);
             int st = ab_adamw_update(&t, 1);
@@ -123,7 +123,7 @@ static void check_golden_spec_steps(void)
                 x.n = 5, x.key = spec_key(0x0123456789abcdefull, (uint32_t)t, 3);
                 x.grad_dtype = AB_F32, x.out_dtype = AB_BF16, x.precision = prec;
                 x.stochastic_rounding = 1;
-                hyper_from(&x.hyper, 1e-2, 0.9, 0.999, 1e-8, 0.1, t);
+                hyper_from(&x.hparams, 1e-2, 0.9, 0.999, 1e-8, 0.1, t);
                 st |= ab_adamw_update(&x, 1);
             }
             int bad = st != 0 || memcmp(p, want_p[prec], sizeof(p)) || memcmp(out, want_out[prec], 10);

@@ -95,11 +95,44 @@ def test_plan_check_runs_the_native_update_for_each_precision(capsys):
         assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, out
 
 
-def test_plan_check_predicts_from_the_bandwidth_it_is_given():
-    result = check.run_check(40.0, "given", ["bf16"], numel=1 << 20, repeats=1)
+def test_plan_check_predicts_from_what_it_measures_beside_each_update(monkeypatch):
+    """--check re-measures the bandwidth and the arithmetic ceiling in each round and predicts
+    each round's update from them (max of memory time and arithmetic time)."""
+    from adambridge.plan import probes
+    gbps = iter([40.0, 10.0, 40.0])  # warm-up round, then the two rounds that count
+    monkeypatch.setattr(probes, "bandwidth_gbps", lambda items: next(gbps))
+    monkeypatch.setattr(probes, "ceiling_ns", lambda batch, step: 1.5)
+    n = 1 << 20
+    result = check.run_check(40.0, "given", ["bf16"], numel=n, repeats=2)
     row, = result.rows
-    assert row.predicted_s == pytest.approx((1 << 20) * 20 / 40e9) and row.measured_s > 0
+    memory = [n * 20 / 10e9, n * 20 / 40e9]           # 2.1 ms and 0.52 ms
+    arithmetic = n * 1.5e-9                           # 1.57 ms
+    expected = sorted(max(m, arithmetic) for m in memory)
+    assert row.predicted_s == pytest.approx(sum(expected) / 2) and row.measured_s > 0
+    assert result.bw_gbps == pytest.approx(25.0)  # the median of the rounds' 10 and 40
     assert json.dumps(result.to_dict()) and "bf16: predicted" in result.lines()[1]
+
+
+def test_host_update_is_memory_or_arithmetic_bound_whichever_is_slower():
+    assert ar.host_update_seconds(1e9, "fp8", 50) == pytest.approx(1e9 * 16.125 / 50e9)
+    assert ar.host_update_seconds(1e9, "fp8", 50, update_ns=0.1) == pytest.approx(1e9 * 16.125 / 50e9)
+    assert ar.host_update_seconds(1e9, "fp8", 50, update_ns=1.0) == pytest.approx(1.0)
+
+
+def test_plan_takes_a_given_arithmetic_ceiling_and_refuses_a_bad_one(capsys):
+    kwargs = dict(params=7e9, gpu="H100", host_bw=50, host_ram=1000, numa_nodes=1)
+    memory_bound = plan(**kwargs)
+    assert memory_bound.host.update_ns == () and "memory-bound" in memory_bound.host.update_source
+    bound = plan(host_update_ns="fp8=1.0", **kwargs)
+    assert bound.row("AdamBridge fp8 moments").host_update_s == pytest.approx(7.0)
+    assert bound.row("AdamBridge bf16 moments").host_update_s == pytest.approx(
+        memory_bound.row("AdamBridge bf16 moments").host_update_s)
+    assert plan(host_update_ns={"fp8": 1.0}, **kwargs).to_dict() == bound.to_dict()
+    assert cli.main(["plan", "--params", "7e9", "--gpu", "H100", "--host-bw", "50",
+                     "--host-ram", "1000", "--host-update-ns", "fp9=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("adambridge plan: Invalid host_update_ns (--host-update-ns): 'fp9=1'")
+    assert "\n" not in err
 
 
 def test_plan_without_the_native_library_says_the_bandwidth_is_a_default(monkeypatch, capsys):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from . import arithmetic, setups
 from .advise import Advice, advise, choose_precision
@@ -85,12 +85,15 @@ def plan(*, params: Optional[Number] = None, model: Optional[str] = None,
          link_gbps: Optional[Number] = None, hbm_gbps: Optional[Number] = None,
          host_bw: Optional[Number] = None, host_ram: Optional[Number] = None,
          numa_nodes: Optional[Number] = None, host_reserve: Number = 0.10,
+         host_update_ns: Union[None, str, Mapping[str, Number]] = None,
          nvme_gbps: Number = 7.0, drive_tb: Number = 3.84, dwpd: Number = 1.0) -> Plan:
     """The plan for a model on a GPU and this host (keywords mirror the command's flags:
     ``tokens_per_step`` is ``--tokens-per-step``; sizes in GB, rates in GB/s and TFLOP/s).
 
     Deterministic for given inputs; only ``host_bw`` and ``host_ram`` left out are
-    measured here (and the GPU, when ``gpu`` is left out, is the CUDA card found).
+    measured here (with ``host_bw``, the kernel's arithmetic ceiling ``host_update_ns`` unless
+    given: ``{"fp8": 1.1}`` or ``"fp8=1.1"``, ns per element), and the GPU, when ``gpu`` is
+    left out, is the CUDA card found.
     """
     facts = model_facts(params=params, model=model, trainable=trainable, lora_rank=lora_rank,
                         lora_targets=lora_targets)
@@ -103,9 +106,27 @@ def plan(*, params: Optional[Number] = None, model: Optional[str] = None,
     reserve = _number("host_reserve", host_reserve, above=False, below=1.0)
     nodes = _optional("numa_nodes", numa_nodes, minimum=1, above=False, whole=True)
     host = resolve_host(bw_gbps=_optional("host_bw", host_bw), ram_gb=_optional("host_ram", host_ram),
-                        numa_nodes=None if nodes is None else int(nodes))
+                        numa_nodes=None if nodes is None else int(nodes),
+                        update_ns=_update_ns(host_update_ns))
     inp = Inputs(facts, work, gpu_spec, host, nvme, reserve)
     return assemble(inp)
+
+
+def _update_ns(value: Union[None, str, Mapping[str, Number]]) -> Optional[tuple]:
+    """((precision, ns per element), ...) from a mapping or 'fp8=1.1,bf16=0.7'; None if not given."""
+    if value is None:
+        return None
+    pairs = value.items() if isinstance(value, Mapping) else (
+        tuple(part.split("=", 1)) if "=" in part else (part, "")
+        for part in str(value).split(",") if part.strip())
+    parsed = []
+    for precision, ns in pairs:
+        precision = str(precision).strip()
+        if precision not in arithmetic.PRECISIONS:
+            raise PlanError(f"Invalid host_update_ns (--host-update-ns): {value!r} (give "
+                            f"precision=ns pairs, precision one of {', '.join(arithmetic.PRECISIONS)})")
+        parsed.append((precision, _number("host_update_ns", ns)))
+    return tuple(parsed)
 
 
 def _work(tokens_per_step, accumulation, gpus, parallel, activations_gb) -> Work:

@@ -97,10 +97,13 @@ def effective_host_bw(host_bw_gbps: float, gpus: int, numa_nodes: int) -> float:
     return host_bw_gbps * min(max(1, gpus), nodes) / nodes
 
 
-def host_update_seconds(elements: float, precision: str, host_bw_gbps: float) -> float:
-    """Seconds of the memory-bound host AdamW: bytes touched / bandwidth
-    (7e9 x 28 B at 200 GB/s = 0.98 s with fp32 moments)."""
-    return elements * HOST_BYTES_TOUCHED[precision] / (host_bw_gbps * GB)
+def host_update_seconds(elements: float, precision: str, host_bw_gbps: float,
+                        update_ns: Optional[float] = None) -> float:
+    """Seconds of the host AdamW: bytes touched / bandwidth (7e9 x 28 B at 200 GB/s = 0.98 s
+    with fp32 moments), or ``update_ns`` per element where the kernel's arithmetic is slower
+    than memory (fp8's decode, hash and encode on few cores): whichever takes longer."""
+    memory = elements * HOST_BYTES_TOUCHED[precision] / (host_bw_gbps * GB)
+    return memory if update_ns is None else max(memory, elements * update_ns * 1e-9)
 
 
 # ---------------------------------------------------------------------------- the GPU
@@ -134,12 +137,13 @@ def host_work_seconds(*stages: float) -> float:
     return max(stages)
 
 
-def tail_seconds(elements: float, link_gbps: float, precision: str, host_bw_gbps: float) -> float:
+def tail_seconds(elements: float, link_gbps: float, precision: str, host_bw_gbps: float,
+                 update_ns: Optional[float] = None) -> float:
     """What cannot overlap: the first layer's gradient exists only when backward ends, and
     its last chunk (at most CHUNK_ELEMENTS) still goes down, is updated and comes back up."""
     last = min(elements, CHUNK_ELEMENTS)
     return (link_seconds(link_bytes(last), link_gbps)
-            + host_update_seconds(last, precision, host_bw_gbps))
+            + host_update_seconds(last, precision, host_bw_gbps, update_ns))
 
 
 def exposed_seconds(host_work_s: float, overlap_s: float, tail_s: float) -> float:

@@ -45,7 +45,8 @@ class Check:
         from .advise import count
         head = (f"check: host update of {count(self.numel)} elements, native kernel, "
                 f"{self.threads} threads, load average {self.load[0]:.2f} (1 min) on "
-                f"{os.cpu_count()} CPUs; predicted from {self.bw_gbps:.1f} GB/s")
+                f"{os.cpu_count()} CPUs; predicted from {self.bw_gbps:.1f} GB/s and the "
+                f"update's arithmetic ceiling, {self.bw_source}")
         out = [head]
         for r in self.rows:
             verdict = "within" if abs(r.ratio - 1) <= AGREEMENT else "outside"
@@ -62,27 +63,45 @@ class Check:
 
 def run_check(bw_gbps: float, bw_source: str, precisions: Sequence[str] = ar.PRECISIONS,
               numel: int = CHECK_ELEMENTS, repeats: int = 5) -> Check:
-    """Time the native host update for each precision (interleaved, median of ``repeats``
-    after a warm-up) and set it against arithmetic.host_update_seconds at ``bw_gbps``."""
-    from .._native import build, loader
+    """Time the native host update of ``numel`` elements for each precision and set it
+    against arithmetic.host_update_seconds.
+
+    NOTE: this host's bandwidth and arithmetic speed move by up to 2x for seconds at a time
+    (with where its CPUs are placed), so each round re-measures both beside the updates it
+    times: one probe pass, then per precision one ceiling call and the update. The
+    prediction of a round uses that round's figures; the medians of the rounds are compared.
+    ``bw_gbps`` and ``bw_source`` (the plan's own, measured earlier) are reported beside them.
+    """
+    from .._native import loader
     from ..functional import adamw_update
-    from . import buffers
-    try:
-        loader.load()
-    except (build.NativeBuildError, ValueError, OSError) as exc:
-        raise RuntimeError(f"plan --check needs the native kernel, which cannot be had here: {exc}") from None
+    from . import buffers, probes
+    reason = probes.native_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"plan --check needs the native kernel, which cannot be had here: {reason}")
     items = {p: buffers.update_items(numel, p) for p in precisions}
-    samples: dict = {p: [] for p in precisions}
+    ceilings = {p: probes.ceiling_batch(p) for p in precisions}
+    probe = probes.bandwidth_buffers(numel)
+    predicted: dict = {p: [] for p in precisions}
+    measured: dict = {p: [] for p in precisions}
+    bandwidths = []
     for step in range(1, repeats + 2):
+        gbps = probes.bandwidth_gbps(probe)
         for p in precisions:
+            ceiling = probes.ceiling_ns(ceilings[p], step)
             batch = buffers.next_step(items[p], step)
             start = time.perf_counter()
             adamw_update(batch, backend="native")
-            if step > 1:  # the first update of each pays page faults and the pool's start
-                samples[p].append(time.perf_counter() - start)
-    rows = tuple(CheckRow(p, ar.host_update_seconds(numel, p, bw_gbps), statistics.median(samples[p]))
+            elapsed = time.perf_counter() - start
+            if step > 1:  # the first round pays page faults and the pool's start
+                measured[p].append(elapsed)
+                predicted[p].append(ar.host_update_seconds(numel, p, gbps, ceiling))
+        if step > 1:
+            bandwidths.append(gbps)
+    rows = tuple(CheckRow(p, statistics.median(predicted[p]), statistics.median(measured[p]))
                  for p in precisions)
-    return Check(numel, loader.num_threads(), bw_gbps, bw_source, tuple(os.getloadavg()), rows)
+    return Check(numel, loader.num_threads(), statistics.median(bandwidths),
+                 f"re-measured beside each update (the plan's: {bw_gbps:.1f} GB/s, {bw_source})",
+                 tuple(os.getloadavg()), rows)
 
 
 # ---------------------------------------------------------------------------- GPU benchmark

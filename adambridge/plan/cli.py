@@ -46,6 +46,8 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-bw", help="host memory bandwidth in GB/s")
     group.add_argument("--host-ram", help="host RAM in GB")
     group.add_argument("--numa-nodes", help="NUMA nodes of the host")
+    group.add_argument("--host-update-ns", help="the kernel's arithmetic per element where it is "
+                       "slower than memory, e.g. fp8=1.1,bf16=0.7 (default: measured with --host-bw unset)")
     group.add_argument("--host-reserve", default="0.10", help="fraction of RAM left to the OS and data loader (0.10)")
     group = parser.add_argument_group("NVMe")
     group.add_argument("--nvme-gbps", default="7", help="drive GB/s, all drives together (default 7)")
@@ -71,7 +73,7 @@ def _known() -> list:
 PLAN_ARGS = ("params", "model", "trainable", "lora_rank", "lora_targets", "tokens_per_step",
              "accumulation", "gpus", "parallel", "activations_gb", "gpu", "gpu_memory",
              "gpu_tflops", "link_gbps", "hbm_gbps", "host_bw", "host_ram", "numa_nodes",
-             "host_reserve", "nvme_gbps", "drive_tb", "dwpd")
+             "host_reserve", "host_update_ns", "nvme_gbps", "drive_tb", "dwpd")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -115,7 +117,8 @@ def _bench(args, kwargs: dict, plan) -> int:
     given = {k: v for k, v in kwargs.items() if k not in ("params", "model", "tokens_per_step")}
     first = plan(params=bench["params"], tokens_per_step=bench["tokens_per_step"], **given)
     given.update(host_bw=first.host.bw_gbps, host_ram=first.host.ram_gb,
-                 numa_nodes=first.host.numa_nodes)  # measured once, for every point
+                 numa_nodes=first.host.numa_nodes,  # measured once, for every point
+                 host_update_ns=dict(first.host.update_ns) or None)
     print(report.render(first) + "\n")
     print("\n".join(check.compare_bench(bench, lambda n, t: plan(params=n, tokens_per_step=t, **given))))
     if args.check:

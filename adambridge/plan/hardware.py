@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -79,6 +78,14 @@ class HostSpec:
     numa_nodes: int
     cpus_per_node: tuple
     threads: int
+    # Nanoseconds per element of the kernel's arithmetic alone (its buffers in cache), per
+    # precision, measured with the bandwidth; empty where the host was given, not measured.
+    update_ns: tuple = ()
+    update_source: str = "not measured: the update is taken as memory-bound"
+
+    def update_ns_of(self, precision: str) -> Optional[float]:
+        """The arithmetic ceiling of ``precision`` in ns per element, or None."""
+        return dict(self.update_ns).get(precision)
 
 
 def known_gpus() -> str:
@@ -157,26 +164,34 @@ def _detected(overrides: dict) -> GpuSpec:
 # ---------------------------------------------------------------------------- the host
 
 def measure_bandwidth(numel: int = PROBE_ELEMENTS, passes: int = PROBE_PASSES) -> tuple[float, str]:
-    """(GB/s, how it was found): the native probe streams the bytes of an fp32-moment update
-    (28 per element) ``passes`` times; the median pass gives the bandwidth. Where the native
-    library cannot run, DEFAULT_HOST_BW_GBPS and the reason."""
-    from .._native import build, loader
-    from . import arithmetic, buffers
-    try:
-        loader.load()
-    except (build.NativeBuildError, ValueError, OSError) as exc:
+    """(GB/s, how it was found): the median of ``passes`` native probe passes (probes.py).
+    Where the native library cannot run, DEFAULT_HOST_BW_GBPS and the reason."""
+    from . import probes
+    reason = probes.native_unavailable()
+    if reason is not None:
         return DEFAULT_HOST_BW_GBPS, (f"default {DEFAULT_HOST_BW_GBPS:g} GB/s, NOT measured: the "
-                                      f"native probe cannot run ({exc})")
-    items = buffers.update_items(numel, "fp32", random=False)
-    loader.memory_pass(items)   # warm-up: page faults and the pool's start are not bandwidth
-    seconds = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        loader.memory_pass(items)
-        seconds.append(time.perf_counter() - start)
-    gbps = numel * arithmetic.HOST_BYTES_TOUCHED["fp32"] / statistics.median(seconds) / 1e9
+                                      f"native probe cannot run ({reason})")
+    items = probes.bandwidth_buffers(numel)
+    probes.bandwidth_gbps(items)  # warm-up: page faults and the pool's start are not bandwidth
+    gbps = statistics.median(probes.bandwidth_gbps(items) for _ in range(passes))
     return gbps, (f"measured: native probe, {numel / 1e6:g}M elements x 28 B, median of "
-                  f"{passes} passes, {loader.num_threads()} threads")
+                  f"{passes} passes, {loader_threads()} threads")
+
+
+def measure_update_ns(precisions: tuple = ("fp32", "bf16", "fp8"), trials: int = 6) -> tuple:
+    """((precision, ns per element), ...): the kernel's arithmetic ceiling (probes.py),
+    the median of ``trials`` calls after one that warms the caches; empty where the native
+    library cannot run."""
+    from . import probes
+    if probes.native_unavailable() is not None:
+        return ()
+    measured = []
+    for precision in precisions:
+        batch = probes.ceiling_batch(precision)
+        probes.ceiling_ns(batch, 1)
+        measured.append((precision, statistics.median(probes.ceiling_ns(batch, step)
+                                                      for step in range(2, trials + 2))))
+    return tuple(measured)
 
 
 def host_ram_gb() -> Optional[float]:
@@ -188,7 +203,7 @@ def host_ram_gb() -> Optional[float]:
 
 
 def resolve_host(*, bw_gbps: Optional[float] = None, ram_gb: Optional[float] = None,
-                 numa_nodes: Optional[int] = None) -> HostSpec:
+                 numa_nodes: Optional[int] = None, update_ns: Optional[tuple] = None) -> HostSpec:
     """This host, measured where a number is not given."""
     from .. import topology
     host = topology.host_topology()
@@ -197,6 +212,7 @@ def resolve_host(*, bw_gbps: Optional[float] = None, ram_gb: Optional[float] = N
         bw_gbps, bw_source = measure_bandwidth()
     else:
         bw_source = "given: --host-bw"
+    update_ns, update_source = _update_ceiling(update_ns, measured=bw_source.startswith("measured"))
     if ram_gb is None:
         ram_gb, ram_source = host_ram_gb(), "this host"
         if ram_gb is None:
@@ -207,4 +223,27 @@ def resolve_host(*, bw_gbps: Optional[float] = None, ram_gb: Optional[float] = N
     nodes = numa_nodes if numa_nodes is not None else max(1, len(host.nodes))
     return HostSpec(bw_gbps=bw_gbps, bw_source=bw_source, ram_gb=ram_gb, ram_source=ram_source,
                     numa_nodes=nodes, cpus_per_node=cpus,
-                    threads=len(host.allowed_cpus) or os.cpu_count() or 1)
+                    threads=len(host.allowed_cpus) or os.cpu_count() or 1,
+                    update_ns=update_ns, update_source=update_source)
+
+
+def _update_ceiling(given: Optional[tuple], *, measured: bool) -> tuple[tuple, str]:
+    """(the arithmetic ceiling per precision, where it came from): given, else measured
+    beside a measured bandwidth; a host described by its bandwidth alone is memory-bound."""
+    if given is not None:
+        return given, "given: --host-update-ns"
+    if not measured:
+        return (), "not measured (host bandwidth given): the update is taken as memory-bound"
+    update_ns = measure_update_ns()
+    if not update_ns:
+        return (), "not measured (no native kernel): the update is taken as memory-bound"
+    return update_ns, f"measured: native kernel on buffers in cache, {loader_threads()} threads"
+
+
+def loader_threads() -> int:
+    """Threads of the native pool (the measurement's), 0 where it is not loaded."""
+    from .._native import loader
+    try:
+        return loader.num_threads()
+    except (AttributeError, OSError, ValueError):
+        return 0

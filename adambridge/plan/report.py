@@ -49,9 +49,15 @@ def setup_lines(plan) -> list:
         f"{f' (PCIe Gen{g.pcie_gen})' if g.pcie_gen else ''}, memory {g.hbm_gbps:,.0f} GB/s [{g.source}]",
         f"host: {h.bw_gbps:.1f} GB/s [{h.bw_source}], {h.ram_gb:,.1f} GB RAM "
         f"({plan.host_usable_gb:,.1f} usable) [{h.ram_source}], {h.numa_nodes} NUMA node(s), "
-        f"CPUs per node {cpus}",
+        f"CPUs per node {cpus}; update arithmetic {_ceiling(h)} [{h.update_source}]",
         f"NVMe: {n.gbps:g} GB/s, {n.drive_tb:g} TB rated {n.dwpd:g} DWPD",
     ]
+
+
+def _ceiling(host) -> str:
+    if not host.update_ns:
+        return "not bounding"
+    return ", ".join(f"{p} {ns:.2f} ns/element" for p, ns in host.update_ns)
 
 
 def table(rows: list, columns=COLUMNS) -> str:

@@ -130,7 +130,10 @@ def _timing(inp: Inputs, elements: float, precision: str, base: Row, *, drive_s:
     all G ranks of the host sharing its bandwidth."""
     gpus = inp.work.gpus
     link = ar.link_seconds(ar.link_bytes(elements), inp.gpu.link_gbps)
-    update = ar.host_update_seconds(gpus * elements, precision, inp.host_bw)
+    # ns per element measured with every CPU of this host: G ranks update G x the elements
+    # on them together, and the tail (one rank's last chunk) has 1/G of them.
+    update_ns = inp.host.update_ns_of(precision)
+    update = ar.host_update_seconds(gpus * elements, precision, inp.host_bw, update_ns)
     m = inp.model
     if inp.work.parallel == "fsdp2":
         # NOTE: FSDP2 shards on the GPU take the synchronous step(): AdamBridge's async path
@@ -138,7 +141,8 @@ def _timing(inp: Inputs, elements: float, precision: str, base: Row, *, drive_s:
         exposed, hides = link + update, None
     else:
         work = ar.host_work_seconds(link, update, drive_s)
-        tail = ar.tail_seconds(elements, inp.gpu.link_gbps, precision, inp.host_bw / gpus) + drive_tail_s
+        tail = ar.tail_seconds(elements, inp.gpu.link_gbps, precision, inp.host_bw / gpus,
+                               None if update_ns is None else update_ns * gpus) + drive_tail_s
         exposed = ar.exposed_seconds(work, inp.overlap_s, tail)
         hides = ar.hiding_tokens(work, m.total, m.trainable, inp.gpu.tflops)
     step = inp.compute_s + exposed

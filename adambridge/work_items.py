@@ -73,7 +73,7 @@ class Job:
     # [start, end) ranges updated before the step's facts were known (speculatively)
     updated_ranges: list = field(default_factory=list)
     grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
-    saved_moments: dict = field(default_factory=dict)  # range -> moments before the update
+    saved_state: dict = field(default_factory=dict)  # range -> master, moments before it
     streamed: bool = False  # committed by the NVMe tier before the step's facts were known
 
     @property
@@ -89,7 +89,7 @@ class Job:
         self.pieces_left, self.transport = pieces, transport
         self.updated_ranges.clear()
         self.grad_before = None
-        self.saved_moments.clear()
+        self.saved_state.clear()
         self.streamed = False
 
     def end(self) -> None:
@@ -99,8 +99,8 @@ class Job:
         self.transport = self.grad_before = None
         if self.updated_ranges:  # (empty unless this step updated speculatively)
             self.updated_ranges.clear()
-        if self.saved_moments:
-            self.saved_moments.clear()
+        if self.saved_state:
+            self.saved_state.clear()
 
 
 @dataclass(eq=False)

@@ -225,18 +225,18 @@ class Lane:
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
 
-    def _update(self, batch: list[Piece], keep_moments: bool) -> float:
+    def _update(self, batch: list[Piece], keep_state: bool) -> float:
         """One adamw_update over the batch; returns the seconds the update itself took."""
         if not batch:
             return 0.0
-        if self.backend == "native" and not keep_moments:
+        if self.backend == "native" and not keep_state:
             desc = piece_rows.pack(batch, self._item)  # kept rows, refreshed (issue 13)
             began = time.perf_counter()
             piece_rows.run(desc)
             return time.perf_counter() - began
         items = [self._item(piece) for piece in batch]
-        if keep_moments:
-            _keep_moments(batch, items)
+        if keep_state:
+            _keep_state(batch, items)
         began = time.perf_counter()
         adamw_update(items, self.backend)
         return time.perf_counter() - began
@@ -248,8 +248,9 @@ class Lane:
         if tier is None:
             return batch, []
         if speculative and record.clip_watch is not None:
-            # NOTE: redoing a clipped update (step_facts.redo) needs the moments from before
-            # it, which the tier keeps only in files: its pieces wait for the norm (issue 14).
+            # NOTE: redoing a clipped update (step_facts.redo) needs the master and moments
+            # from before it, which the tier keeps only in files: its pieces wait for the
+            # norm (issue 14).
             batch, filed = tier.split(batch)
             self._held.extend(filed)
         return tier.route(batch, self.backend, record)
@@ -353,10 +354,10 @@ def _commit_steps(jobs: list[Job]) -> None:
         copy_many(counters, [value] * len(counters))
 
 
-def _keep_moments(batch: list[Piece], items: list) -> None:
-    # Clipping may fire after this speculative update: step_facts.redo needs the moments.
+def _keep_state(batch: list[Piece], items: list) -> None:
+    # Clipping may fire after this speculative update: step_facts.redo starts from this state.
     for piece, item in zip(batch, items):
-        piece.job.saved_moments[piece.span] = step_facts.snapshot_moments(item)
+        piece.job.saved_state[piece.span] = step_facts.snapshot(item)
 
 
 def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[int, ...]) -> None:

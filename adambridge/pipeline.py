@@ -456,10 +456,12 @@ class Pipeline(FactsMixin):
         record.jobs.clear()
 
     def _remember_used(self, record: StepRecord) -> None:
-        # A gradient kept in p.grad (release_grads=False) must not be used twice: a second
-        # step without a new backward updates nothing.
-        self._used = {p: (weakref.ref(p.grad), p.grad._version)
-                      for p in record.jobs if p.grad is not None}
+        # A gradient kept in p.grad (release_grads=False) must not be used twice: any later
+        # step without a new backward updates nothing. Added to, not replaced: a step that
+        # used nothing must not make the gradient it skipped look new to the one after.
+        for p in record.jobs:
+            if p.grad is not None:
+                self._used[p] = (weakref.ref(p.grad), p.grad._version)
 
     def _stats(self, record: StepRecord, waited: float) -> StepStats:
         stats = StepStats(host_update_s=record.host_update_s, sync_wait_s=waited,

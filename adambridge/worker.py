@@ -70,6 +70,9 @@ class Lane:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Piece] = []
         self._deferred: list[WriteBack] = []
+        # Indices of the parameters the worker is changing now (a finish that times out
+        # names them: they may still change after it has returned).
+        self.busy: list[int] = []
         # NOTE: issue 13. Pieces gathered by submit() until they are worth a wake-up.
         self.gather_numel = getattr(transport, "gather_numel", 0)
         self._gathered: list[Piece] = []
@@ -89,7 +92,7 @@ class Lane:
             return False
         _discard(self.queue)  # what the dead thread left holds the step's jobs alive
         self.queue = queue.SimpleQueue()
-        self._held, self._deferred = [], []
+        self._held, self._deferred, self.busy = [], [], []
         self.drop_gathered()
         self.thread = self._start_thread()
         return True
@@ -206,8 +209,10 @@ class Lane:
     def run(self, batch: list[Piece], speculative: bool = False) -> None:
         """Update a batch in one adamw_update call, then send back and commit what is done."""
         record = batch[0].record
-        if record.failed:
-            return
+        with record.lock:  # (a failing step takes the lock: from then on nothing starts)
+            if record.failed:
+                return
+            self.busy = [piece.job.index for piece in batch]
         try:
             read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
@@ -224,6 +229,8 @@ class Lane:
             self._done(record, streamed)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
+        finally:
+            self.busy = []
 
     def _update(self, batch: list[Piece], keep_state: bool) -> float:
         """One adamw_update over the batch; returns the seconds the update itself took."""
@@ -300,11 +307,18 @@ class Lane:
         whose update was committed, and the device must not keep the old weights.
         """
         held, self._held = self._held, []
-        if not record.failed:
+        with record.lock:
+            correcting = not record.failed
+            if correcting:  # what the corrections may change
+                self.busy = [job.index for job in record.jobs.values()
+                             if job.transport is self.transport and job.speculative]
+        if correcting:
             try:
                 before()
             except BaseException as exc:  # noqa: BLE001
                 record.fail(exc, f"correcting the speculative updates on {self.transport.device}")
+            finally:
+                self.busy = []
         if held and not record.failed:
             self.run(held)
         deferred, self._deferred = self._deferred, []

@@ -22,7 +22,8 @@ Accumulation: a backward pass updates only if it closes the accumulation window:
 says so). Backward passes are counted by an engine callback queued at the first hook of
 each pass (a pass run inside another, as reentrant activation checkpointing does, is part
 of it), which also tells a pass that never finished (an exception or Ctrl-C inside
-backward): the step then fails at finish, naming what it had updated.
+backward): the step then fails at finish, naming what it had updated, or ``zero_grad()``
+discards it and rolls its updates back (a skipped batch, interrupted.py).
 
 Faults. Everything that can make a gradient unusable is checked in the hook, before the
 gradient is enqueued (sparse layout, shape, dtype, a parameter replaced since the last step).
@@ -49,7 +50,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _validation as check
-from . import cuda_policy, interception, late_work
+from . import cuda_policy, interception, interrupted, late_work
 from .stats import StepStats
 from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
@@ -113,6 +114,7 @@ class Pipeline(FactsMixin):
         self.clips_by_value = False
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
+        self.rolls_back = False  # a backward has raised: keep what rolls its updates back
         self.tuner = None
         # hook_grads=False: someone else calls on_grad (distributed.py's DDP comm hook).
         handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
@@ -240,8 +242,8 @@ class Pipeline(FactsMixin):
             if self._record is None:
                 self._refresh_groups()
                 held = not self._warm or self.uses_grad_scaler or self.clips_by_value
-                record = StepRecord(held=held,
-                                    clip_watch=self._clip_watch())
+                record = StepRecord(held=held, clip_watch=self._clip_watch(),
+                                    keep_state=self.rolls_back)
                 if self._late is not None:  # nothing may start: finish refuses the step
                     record.fail(RuntimeError("the update that timed out has not been "
                                              "accounted for"))
@@ -541,8 +543,13 @@ class Pipeline(FactsMixin):
         may have updated with them (e.g. a backward of another optimizer's loss reached
         these parameters): refused, so that this optimizer never steps on a gradient the
         user meant to discard. Held first steps make this fail before anything changed.
+        After a backward that raised (a batch being skipped) the step is discarded instead,
+        its updates rolled back (interrupted.py).
         """
         record = self._record
+        if record is not None and self._open_tasks:  # the backward raised: skip its batch
+            interrupted.discard(self, record)
+            return
         if record is None or not record.jobs or record.failed:
             return
         done = f" (parameters {sorted(record.updated)} already took it)" if record.updated else ""

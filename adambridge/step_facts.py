@@ -138,11 +138,21 @@ def redo(item: UpdateItem, saved: tuple, backend: str) -> None:
     offset and step give the same rounding bits, so the redone update equals sync's bit
     for bit (the low-precision copy is rewritten by the update too).
     """
+    _put_back(item, saved)
+    from .functional import adamw_update
+    adamw_update([item], backend)
+
+
+def restore(item: UpdateItem, saved: tuple) -> None:
+    """Undo ``item``'s update: the state ``snapshot`` kept, and the low-precision copy of it."""
+    _put_back(item, saved)
+    _write_copy(item, item.master)
+
+
+def _put_back(item: UpdateItem, saved: tuple) -> None:
     for key, value in zip(_SAVED_KEYS, saved):
         if value is not None:
             getattr(item, key).copy_(value)
-    from .functional import adamw_update
-    adamw_update([item], backend)
 
 
 # --------------------------------------------------------------------------- synchronous mode

@@ -23,11 +23,15 @@ class StepRecord:
     freed by reference counting alone, with its gradients, even with the cyclic GC off.
     """
 
-    def __init__(self, held: bool, clip_watch: Optional[float] = None) -> None:
+    def __init__(self, held: bool, clip_watch: Optional[float] = None,
+                 keep_state: bool = False) -> None:
         self.lock = threading.Lock()
         self.held = held            # update nothing before finish (first or GradScaler step)
         self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
         self.clip_watch = clip_watch  # expected max_norm: hold once the landed norm passes it
+        # Keep the master and moments from before each update made before the step's end
+        # (step_facts.snapshot): to redo it if clipping fires, or to roll it back.
+        self.keep_state = keep_state or clip_watch is not None
         self.landed_sq = 0.0        # squared 2-norm of the gradients watched so far
         self.began = time.perf_counter()
         self.jobs: dict[torch.Tensor, "Job"] = {}

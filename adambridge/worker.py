@@ -216,7 +216,7 @@ class Lane:
         try:
             read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
-            elapsed = self._update(batch, speculative and record.clip_watch is not None)
+            elapsed = self._update(batch, speculative and record.keep_state)
             with record.lock:
                 record.host_update_s += elapsed
                 record.num_batches += bool(batch)
@@ -254,10 +254,10 @@ class Lane:
         tier = getattr(batch[0].job.opt, "nvme_tier", None)
         if tier is None:
             return batch, []
-        if speculative and record.clip_watch is not None:
-            # NOTE: redoing a clipped update (step_facts.redo) needs the master and moments
-            # from before it, which the tier keeps only in files: its pieces wait for the
-            # norm (issue 14).
+        if speculative and record.keep_state:
+            # NOTE: redoing a clipped update (step_facts.redo) or rolling one back needs the
+            # state from before it, which the tier keeps only in files: its pieces wait for
+            # the step's end (issue 14).
             batch, filed = tier.split(batch)
             self._held.extend(filed)
         return tier.route(batch, self.backend, record)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,8 +28,16 @@ from .work_items import Job, StepRecord
 _log = logging.getLogger("adambridge")
 
 
-def discard(pipeline: Any, record: StepRecord) -> None:
-    """Drop the step of an interrupted backward; roll back what its workers had updated."""
+def discard(pipeline: Any, record: Optional[StepRecord]) -> None:
+    """Drop the step of an interrupted backward; roll back what its workers had updated.
+
+    Without a record (the pass raised before a hook closed the window, e.g. a micro-batch
+    that accumulates) only the pass's bookkeeping goes: the window starts again, as the
+    gradients zero_grad() drops."""
+    pipeline._open_tasks.clear()
+    pipeline._micro = 0
+    if record is None:
+        return
     record.fail(RuntimeError("discarded by zero_grad() after a backward that raised"))
     pipeline.drain(record)  # every update of the step has run (or been skipped) now
     kept: list[int] = []
@@ -39,8 +47,6 @@ def discard(pipeline: Any, record: StepRecord) -> None:
         pipeline._wait(lane, unit, record)
     with pipeline._record_lock:
         pipeline._record = None
-    pipeline._micro = 0
-    pipeline._open_tasks.clear()
     pipeline._left_running(record)  # a worker that timed out here: guarded as after a step
     pipeline._end_jobs(record)
     for lane in pipeline.lanes.values():

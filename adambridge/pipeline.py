@@ -547,7 +547,7 @@ class Pipeline(FactsMixin):
         its updates rolled back (interrupted.py).
         """
         record = self._record
-        if record is not None and self._open_tasks:  # the backward raised: skip its batch
+        if self._open_tasks:  # a backward raised: the loop skips its batch
             interrupted.discard(self, record)
             return
         if record is None or not record.jobs or record.failed:

@@ -127,6 +127,35 @@ def test_first_skipped_batch_without_a_kept_state_says_what_stayed_then_rolls_ba
     _assert_equal((model, opt), (twin_model, twin_opt))
 
 
+def test_a_raising_micro_batch_that_accumulates_restarts_the_window():
+    # The first micro-batch of a window raises before any update: zero_grad() drops it (and
+    # the window's count), the loop goes on with the next two as one window.
+    runs = []
+    for hooks in (False, True):
+        model = Net()
+        opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", small_param_threshold=0)
+        if hooks:
+            opt.attach_hooks(model)
+        data = _batches(7)
+        windows = [(0, 1), (2, 3), (4, 5)] if hooks else [(0, 1), (4, 5)]
+        for first, second in windows:
+            Boom.armed = hooks and first == 2
+            try:
+                with opt.accumulate():
+                    model(data[first]).square().mean().backward()
+            except FloatingPointError:
+                opt.zero_grad()
+                continue
+            finally:
+                Boom.armed = False
+            model(data[second]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    _assert_equal(runs[1], runs[0])
+    assert all(int(runs[1][1].state[p]["step"]) == 2 for p in runs[1][0].parameters())
+
+
 def test_zero_grad_after_a_finished_backward_is_still_refused():
     # Only a backward that raised is a batch being skipped: after one that finished, the
     # hooks' gradients belong to the step (toggle_optimizer's case).

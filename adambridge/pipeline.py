@@ -22,7 +22,8 @@ Accumulation: a backward pass updates only if it closes the accumulation window:
 says so). Backward passes are counted by an engine callback queued at the first hook of
 each pass (a pass run inside another, as reentrant activation checkpointing does, is part
 of it), which also tells a pass that never finished (an exception or Ctrl-C inside
-backward): the step then fails at finish, naming what it had updated.
+backward): the step then fails at finish, naming what it had updated, or ``zero_grad()``
+discards it and rolls its updates back (a skipped batch, interrupted.py).
 
 Faults. Everything that can make a gradient unusable is checked in the hook, before the
 gradient is enqueued (sparse layout, shape, dtype, a parameter replaced since the last step).
@@ -49,7 +50,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _validation as check
-from . import cuda_policy, interception
+from . import cuda_policy, interception, interrupted, late_work
 from .stats import StepStats
 from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
@@ -96,6 +97,8 @@ class Pipeline(FactsMixin):
         cuda_policy.prepare_lanes(self.lanes, self.hooked, self.owned, _SYNC_TIMEOUT_S)
         self._record: Optional[StepRecord] = None
         self._record_lock = threading.Lock()
+        self._stuck: dict = {}      # lane -> the last Call of this step it has not answered
+        self._late: Optional[late_work.LateWork] = None  # what a timed-out step left running
         self._warm = False          # False until a step has completed: that step is held
         self._said_empty_step = False  # the one warning of a step() with no gradient
         self._accumulating = 0
@@ -111,6 +114,7 @@ class Pipeline(FactsMixin):
         self.clips_by_value = False
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
+        self.rolls_back = False  # a backward has raised: keep what rolls its updates back
         self.tuner = None
         # hook_grads=False: someone else calls on_grad (ddp_async.py's DDP comm hook).
         self._hooks_grads = hook_grads
@@ -239,8 +243,11 @@ class Pipeline(FactsMixin):
             if self._record is None:
                 self._refresh_groups()
                 held = not self._warm or self.uses_grad_scaler or self.clips_by_value
-                record = StepRecord(held=held,
-                                    clip_watch=self._clip_watch())
+                record = StepRecord(held=held, clip_watch=self._clip_watch(),
+                                    keep_state=self.rolls_back)
+                if self._late is not None:  # nothing may start: finish refuses the step
+                    record.fail(RuntimeError("the update that timed out has not been "
+                                             "accounted for"))
                 self._check_layouts(record)
                 self._record = record
             return self._record
@@ -376,16 +383,25 @@ class Pipeline(FactsMixin):
 
     def drain(self, record: StepRecord) -> None:
         """Wait until every lane has handled (updated or held) every piece queued so far."""
-        calls = [(lane, lane.call(lambda: None)) for lane in self.lanes.values()]
+        calls = [(lane, lane.call(lambda: None)) for lane in self.lanes.values()
+                 if lane not in self._stuck]
         for lane, unit in calls:
-            try:
-                lane.wait(unit, _SYNC_TIMEOUT_S)
-            except (RuntimeError, TimeoutError) as exc:
-                record.fail(exc)
+            self._wait(lane, unit, record)
+
+    def _wait(self, lane: Lane, unit: Any, record: StepRecord) -> None:
+        try:
+            lane.wait(unit, _SYNC_TIMEOUT_S)
+        except TimeoutError as exc:
+            self._stuck[lane] = unit  # not waited on again this step (see late_work.py)
+            record.fail(exc)
+        except RuntimeError as exc:
+            record.fail(exc)
 
     # -- finish (the caller's thread): opt.step() / opt.step_sync()
 
     def finish(self) -> StepStats:
+        if self._late is not None:
+            return self._finish_after_timeout(self._late)
         entered = time.perf_counter()
         record = self._current_record()
         revived = [lane for lane in self.lanes.values() if lane.revive()]
@@ -405,6 +421,7 @@ class Pipeline(FactsMixin):
                 record.fail(exc)
         self._flush(record)
         self._release_handed_over(record)
+        late = self._left_running(record)
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
             lane.transport.finish()  # the current stream waits for the copies back
@@ -425,7 +442,7 @@ class Pipeline(FactsMixin):
                          "step; torch.optim would step again on p.grad)")
         self._end_jobs(record)  # the host gradients go now, not at the next step
         if record.failed:
-            _raise_step_error(record)
+            _raise_step_error(record, late)
         if sum(len(g["params"]) for g in self.opt.param_groups) != len(self.owned):  # step done
             raise RuntimeError("parameters were added after attach_hooks() and are never "
                                "updated: call opt.detach_hooks(), then opt.attach_hooks(model)")
@@ -443,10 +460,39 @@ class Pipeline(FactsMixin):
                                        functools.partial(self.correct_on_lane, lane, record))
             calls.append((lane, lane.call(fn)))
         for lane, unit in calls:
-            try:
-                lane.wait(unit, _SYNC_TIMEOUT_S)
-            except (RuntimeError, TimeoutError) as exc:
-                record.fail(exc)
+            if lane in self._stuck:  # its late work ends when it answers this last call
+                self._stuck[lane] = unit
+            else:
+                self._wait(lane, unit, record)
+
+    def _left_running(self, record: StepRecord) -> Optional[late_work.LateWork]:
+        """The late work of a step whose worker timed out, guarding the optimizer; or None."""
+        if not self._stuck:
+            return None
+        stuck, self._stuck = self._stuck, {}
+        with record.lock:  # (the worker sets busy under it)
+            running = [index for lane in stuck for index in lane.busy]
+        waits = [(lane.thread, unit.done) for lane, unit in stuck.items()]
+        self._late = late_work.LateWork(self.opt, record, waits, running)
+        return self._late
+
+    def _finish_after_timeout(self, late: late_work.LateWork) -> StepStats:
+        """The step after a timeout: nothing of it is applied (see late_work.py); it waits
+        for the late work (without a backward before it) and lifts the guard once it ended."""
+        backward_ran = self._record is not None or any(p.grad is not None for p in self.owned)
+        with self._record_lock:
+            self._record = None
+        self._micro, self._jobs, self._pieces = 0, {}, {}
+        self._open_tasks.clear()
+        self.opt.last_step_stats = StepStats()
+        try:
+            late.settle(self.opt, backward_ran, _SYNC_TIMEOUT_S)
+        finally:
+            if late.closed:
+                self._late = None
+                for lane in self.lanes.values():
+                    lane.transport.finish()  # the current stream waits for the late copies
+        return self.opt.last_step_stats
 
     def _release_handed_over(self, record: StepRecord) -> None:
         # NOTE: a hook releases the gradient it takes (release_grads), so the next backward
@@ -461,16 +507,19 @@ class Pipeline(FactsMixin):
         if record.failed:
             # Its pieces may still be queued (a worker that timed out): never reuse them.
             self._jobs, self._pieces = {}, {}
+            record.jobs = {}  # (a late correction may still walk the old dict)
         else:
             for job in record.jobs.values():
                 job.end()
-        record.jobs.clear()
+            record.jobs.clear()
 
     def _remember_used(self, record: StepRecord) -> None:
-        # A gradient kept in p.grad (release_grads=False) must not be used twice: a second
-        # step without a new backward updates nothing.
-        self._used = {p: (weakref.ref(p.grad), p.grad._version)
-                      for p in record.jobs if p.grad is not None}
+        # A gradient kept in p.grad (release_grads=False) must not be used twice: any later
+        # step without a new backward updates nothing. Added to, not replaced: a step that
+        # used nothing must not make the gradient it skipped look new to the one after.
+        for p in record.jobs:
+            if p.grad is not None:
+                self._used[p] = (weakref.ref(p.grad), p.grad._version)
 
     def _stats(self, record: StepRecord, waited: float) -> StepStats:
         stats = StepStats(host_update_s=record.host_update_s, sync_wait_s=waited,
@@ -505,8 +554,13 @@ class Pipeline(FactsMixin):
         may have updated with them (e.g. a backward of another optimizer's loss reached
         these parameters): refused, so that this optimizer never steps on a gradient the
         user meant to discard. Held first steps make this fail before anything changed.
+        After a backward that raised (a batch being skipped) the step is discarded instead,
+        its updates rolled back (interrupted.py).
         """
         record = self._record
+        if self._open_tasks:  # a backward raised: the loop skips its batch
+            interrupted.discard(self, record)
+            return
         if record is None or not record.jobs or record.failed:
             return
         done = f" (parameters {sorted(record.updated)} already took it)" if record.updated else ""
@@ -527,6 +581,8 @@ class Pipeline(FactsMixin):
         """Remove the hooks and stop the workers, always; a step in flight is dropped."""
         record, self._record = self._record, None
         self._jobs, self._pieces = {}, {}
+        if self._late is not None:
+            self._late.attached = False  # its guard now answers the optimizer's step()
         for lane in self.lanes.values():
             lane.drop_gathered()
         self._finalizer()
@@ -612,9 +668,11 @@ def _shut_down(handles: list, lane_refs: list) -> None:
             lane.queue.put(_STOP)
 
 
-def _raise_step_error(record: StepRecord) -> None:
+def _raise_step_error(record: StepRecord, late: Optional[late_work.LateWork] = None) -> None:
     exc, where = record.errors[0]
-    if record.updated and not record.skip:
+    if late is not None:  # a worker may still be changing parameters: say which
+        done = late.left_behind()
+    elif record.updated and not record.skip:
         done = (f"this step had already updated parameters {sorted(record.updated)}; the other "
                 f"parameters and their state are as before the step")
     else:
@@ -632,6 +690,7 @@ def _raise_step_error(record: StepRecord) -> None:
 def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
     """Attach hooks for ``opt`` (see AdamBridge.attach_hooks); ``options`` are for tests."""
     cuda_policy.check_model(model)  # issue 11 item 12
+    late_work.check_attach(opt)  # a detached pipeline's worker may still be in a late update
     pipeline = Pipeline(opt, model, **options)
     opt._pipeline = pipeline
     # issue 11 item 9: on one NUMA node the pool is not pinned against the autograd thread

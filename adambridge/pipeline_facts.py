@@ -163,13 +163,12 @@ class FactsMixin:
             out = None if job.out is None else job.out[start:end]
             item = job.opt.range_item(job.p, job.group, job.state, job.step,
                                       job.grad[start:end], out, start)
-            saved = job.saved_moments.get((start, end))
+            saved = job.saved_state.get((start, end))
             if saved is None:
                 self._warn_approximate(item.precision)
                 step_facts.correct(item, job.grad_before[start:end])
             else:
-                step_facts.redo(item, saved, job.grad_before[start:end],
-                                self.lanes[job.p.device].backend)
+                step_facts.redo(item, saved, self.lanes[job.p.device].backend)
             job.transport.to_device(job.p, start, end)
 
     # -- helpers

@@ -8,11 +8,11 @@ the update (DESIGN.md section 8):
 - every host gradient is kept until the step finishes, so the fact can be computed from it
   with torch's own formulas (``total_norm``, ``clip_coef``, ``unscale_``);
 - a step that turns out to need a different gradient for a parameter already updated (clipping
-  fired) is *redone*: while clipping is expected the moments of each speculative update are
-  kept (``snapshot_moments``), and ``redo`` recovers the master and updates again with the
-  final gradient: moments as sync, the master within an ulp or two of sync
-  ``clip_grad_norm_`` + ``step()``. Without kept moments (clipping first used mid-training)
-  the update is moved algebraically (``correct``), an approximation the pipeline warns of;
+  fired) is *redone*: while clipping is expected the master and moments of each speculative
+  update are kept (``snapshot``), and ``redo`` restores them and updates again with the
+  final gradient, so the result is sync ``clip_grad_norm_`` + ``step()`` bit for bit.
+  Without a snapshot (clipping first used mid-training) the update is moved algebraically
+  (``correct``), an approximation the pipeline warns of;
 - GradScaler steps, and steps where the norm so far already passes the limit, are *held*:
   their updates wait for the fact and are then exact.
 
@@ -114,43 +114,45 @@ def _write_copy(item: UpdateItem, master: torch.Tensor) -> None:
         item.out.copy_(codecs.bf16_rne(master) if item.out.dtype == torch.bfloat16 else master)
 
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+_SAVED_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
-def snapshot_moments(item: UpdateItem) -> tuple:
-    """The moments of ``item``'s range before a speculative update (8, 4 or ~2 B/param).
+def snapshot(item: UpdateItem) -> tuple:
+    """The master and moments of ``item``'s range before a speculative update (12, 8 or
+    ~6 B/param for fp32, bf16, fp8 moments).
 
     ``correct`` alone loses v when clipping is strong (v' = v_s - (1-b2)*(g*g - g'*g')
     cancels) and low-precision moments are too coarse for it (an fp8 v carries 2 mantissa
-    bits), so while clipping may fire the moments are kept and the update is redone.
+    bits); and a master recovered from the updated one, (p_s + step_hat*m_s/d_s) / decay,
+    is an ulp or two off, which training compounds. So while clipping may fire the state
+    itself is kept and the update is redone from it.
     """
     return tuple(None if getattr(item, k) is None else getattr(item, k).clone()
-                 for k in _MOMENT_KEYS)
+                 for k in _SAVED_KEYS)
 
 
-def redo(item: UpdateItem, saved: tuple, grad_before: torch.Tensor, backend: str) -> None:
-    """Redo ``item``'s update from the saved moments and the master recovered from its state.
+def redo(item: UpdateItem, saved: tuple, backend: str) -> None:
+    """Redo ``item``'s update with its final gradient from the state ``snapshot`` kept.
 
-    The speculative update computed m_s, d_s in fp32 from the saved moments and
-    ``grad_before`` (the same lines as reference.update_range, so the same bits), then
-    stored p_s = p*decay - step_hat*m_s/d_s: the master is recovered as
-    (p_s + step_hat*m_s/d_s) / decay, within an ulp or two. The moments of the redone
-    update equal sync's exactly (same inputs, same rounding bits).
+    The restored master and moments are those sync's update starts from, and the range's
+    offset and step give the same rounding bits, so the redone update equals sync's bit
+    for bit (the low-precision copy is rewritten by the update too).
     """
-    h = item.hyper
-    for key, value in zip(_MOMENT_KEYS, saved):
-        if value is not None:
-            getattr(item, key).copy_(value)
-    g = grad_before.float()
-    m, v = reference._load_moments(item)
-    m = m * h.beta1
-    m = m + g * h.one_minus_beta1
-    v = v * h.beta2
-    v = v + (g * g) * h.one_minus_beta2
-    d = sqrt_f32(v) + h.eps_hat
-    item.master.copy_((item.master + h.step_hat * (m / d)) / h.decay)
+    _put_back(item, saved)
     from .functional import adamw_update
     adamw_update([item], backend)
+
+
+def restore(item: UpdateItem, saved: tuple) -> None:
+    """Undo ``item``'s update: the state ``snapshot`` kept, and the low-precision copy of it."""
+    _put_back(item, saved)
+    _write_copy(item, item.master)
+
+
+def _put_back(item: UpdateItem, saved: tuple) -> None:
+    for key, value in zip(_SAVED_KEYS, saved):
+        if value is not None:
+            getattr(item, key).copy_(value)
 
 
 # --------------------------------------------------------------------------- synchronous mode

@@ -23,11 +23,15 @@ class StepRecord:
     freed by reference counting alone, with its gradients, even with the cyclic GC off.
     """
 
-    def __init__(self, held: bool, clip_watch: Optional[float] = None) -> None:
+    def __init__(self, held: bool, clip_watch: Optional[float] = None,
+                 keep_state: bool = False) -> None:
         self.lock = threading.Lock()
         self.held = held            # update nothing before finish (first or GradScaler step)
         self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
         self.clip_watch = clip_watch  # expected max_norm: hold once the landed norm passes it
+        # Keep the master and moments from before each update made before the step's end
+        # (step_facts.snapshot): to redo it if clipping fires, or to roll it back.
+        self.keep_state = keep_state or clip_watch is not None
         self.landed_sq = 0.0        # squared 2-norm of the gradients watched so far
         self.began = time.perf_counter()
         self.jobs: dict[torch.Tensor, "Job"] = {}
@@ -73,7 +77,7 @@ class Job:
     # [start, end) ranges updated before the step's facts were known (speculatively)
     updated_ranges: list = field(default_factory=list)
     grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
-    saved_moments: dict = field(default_factory=dict)  # range -> moments before the update
+    saved_state: dict = field(default_factory=dict)  # range -> master, moments before it
     streamed: bool = False  # committed by the NVMe tier before the step's facts were known
 
     @property
@@ -89,7 +93,7 @@ class Job:
         self.pieces_left, self.transport = pieces, transport
         self.updated_ranges.clear()
         self.grad_before = None
-        self.saved_moments.clear()
+        self.saved_state.clear()
         self.streamed = False
 
     def end(self) -> None:
@@ -99,8 +103,8 @@ class Job:
         self.transport = self.grad_before = None
         if self.updated_ranges:  # (empty unless this step updated speculatively)
             self.updated_ranges.clear()
-        if self.saved_moments:
-            self.saved_moments.clear()
+        if self.saved_state:
+            self.saved_state.clear()
 
 
 @dataclass(eq=False)

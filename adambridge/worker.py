@@ -70,6 +70,9 @@ class Lane:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Piece] = []
         self._deferred: list[WriteBack] = []
+        # Indices of the parameters the worker is changing now (a finish that times out
+        # names them: they may still change after it has returned).
+        self.busy: list[int] = []
         # NOTE: issue 13. Pieces gathered by submit() until they are worth a wake-up.
         self.gather_numel = getattr(transport, "gather_numel", 0)
         self._gathered: list[Piece] = []
@@ -89,7 +92,7 @@ class Lane:
             return False
         _discard(self.queue)  # what the dead thread left holds the step's jobs alive
         self.queue = queue.SimpleQueue()
-        self._held, self._deferred = [], []
+        self._held, self._deferred, self.busy = [], [], []
         self.drop_gathered()
         self.thread = self._start_thread()
         return True
@@ -206,12 +209,14 @@ class Lane:
     def run(self, batch: list[Piece], speculative: bool = False) -> None:
         """Update a batch in one adamw_update call, then send back and commit what is done."""
         record = batch[0].record
-        if record.failed:
-            return
+        with record.lock:  # (a failing step takes the lock: from then on nothing starts)
+            if record.failed:
+                return
+            self.busy = [piece.job.index for piece in batch]
         try:
             read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
-            elapsed = self._update(batch, speculative and record.clip_watch is not None)
+            elapsed = self._update(batch, speculative and record.keep_state)
             with record.lock:
                 record.host_update_s += elapsed
                 record.num_batches += bool(batch)
@@ -224,19 +229,21 @@ class Lane:
             self._done(record, streamed)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
+        finally:
+            self.busy = []
 
-    def _update(self, batch: list[Piece], keep_moments: bool) -> float:
+    def _update(self, batch: list[Piece], keep_state: bool) -> float:
         """One adamw_update over the batch; returns the seconds the update itself took."""
         if not batch:
             return 0.0
-        if self.backend == "native" and not keep_moments:
+        if self.backend == "native" and not keep_state:
             desc = piece_rows.pack(batch, self._item)  # kept rows, refreshed (issue 13)
             began = time.perf_counter()
             piece_rows.run(desc)
             return time.perf_counter() - began
         items = [self._item(piece) for piece in batch]
-        if keep_moments:
-            _keep_moments(batch, items)
+        if keep_state:
+            _keep_state(batch, items)
         began = time.perf_counter()
         adamw_update(items, self.backend)
         return time.perf_counter() - began
@@ -247,9 +254,10 @@ class Lane:
         tier = getattr(batch[0].job.opt, "nvme_tier", None)
         if tier is None:
             return batch, []
-        if speculative and record.clip_watch is not None:
-            # NOTE: redoing a clipped update (step_facts.redo) needs the moments from before
-            # it, which the tier keeps only in files: its pieces wait for the norm (issue 14).
+        if speculative and record.keep_state:
+            # NOTE: redoing a clipped update (step_facts.redo) or rolling one back needs the
+            # state from before it, which the tier keeps only in files: its pieces wait for
+            # the step's end (issue 14).
             batch, filed = tier.split(batch)
             self._held.extend(filed)
         return tier.route(batch, self.backend, record)
@@ -299,11 +307,18 @@ class Lane:
         whose update was committed, and the device must not keep the old weights.
         """
         held, self._held = self._held, []
-        if not record.failed:
+        with record.lock:
+            correcting = not record.failed
+            if correcting:  # what the corrections may change
+                self.busy = [job.index for job in record.jobs.values()
+                             if job.transport is self.transport and job.speculative]
+        if correcting:
             try:
                 before()
             except BaseException as exc:  # noqa: BLE001
                 record.fail(exc, f"correcting the speculative updates on {self.transport.device}")
+            finally:
+                self.busy = []
         if held and not record.failed:
             self.run(held)
         deferred, self._deferred = self._deferred, []
@@ -353,10 +368,10 @@ def _commit_steps(jobs: list[Job]) -> None:
         copy_many(counters, [value] * len(counters))
 
 
-def _keep_moments(batch: list[Piece], items: list) -> None:
-    # Clipping may fire after this speculative update: step_facts.redo needs the moments.
+def _keep_state(batch: list[Piece], items: list) -> None:
+    # Clipping may fire after this speculative update: step_facts.redo starts from this state.
     for piece, item in zip(batch, items):
-        piece.job.saved_moments[piece.span] = step_facts.snapshot_moments(item)
+        piece.job.saved_state[piece.span] = step_facts.snapshot(item)
 
 
 def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[int, ...]) -> None:

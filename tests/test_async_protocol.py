@@ -211,6 +211,37 @@ def test_protocol_second_step_without_backward_updates_nothing():
     assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
 
 
+@pytest.mark.parametrize("release_grads", [True, False], ids=["released", "kept"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_protocol_every_step_without_a_new_backward_updates_nothing(precision, release_grads,
+                                                                    backend, caplog):
+    # Each backward's gradients serve one step (README): five step() calls after one
+    # backward leave what one synchronous step leaves, hooked and unhooked parameters
+    # alike (small_param_threshold=100 sends the biases at the step), and say so once.
+    import logging
+    data = _data(2)
+    ref_model, ref_opt = _sync_run(data[:1], precision=precision, backend=backend)
+    model = _model()
+    opt = _opt(model, precision=precision, backend=backend, release_grads=release_grads)
+    opt.attach_hooks(model)
+    _loss(model, *data[0]).backward()
+    with caplog.at_level(logging.WARNING, logger="adambridge"):
+        for call in range(5):
+            opt.step()
+            assert opt.last_step_stats.num_params == (len(ref_opt.state) if call == 0 else 0)
+            _assert_same(model, opt, ref_model, ref_opt)
+    said = [r.getMessage() for r in caplog.records if "found no gradient" in r.getMessage()]
+    assert len(said) == 1
+    # A new backward's gradient serves the next step.
+    opt.zero_grad()
+    _loss(model, *data[1]).backward()
+    _loss(ref_model, *data[1]).backward()
+    opt.step()
+    ref_opt.step()
+    _assert_same(model, opt, ref_model, ref_opt)
+    assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
+
+
 def test_protocol_hand_set_grad_on_frozen_parameter_is_updated_as_in_sync():
     results = []
     for hooks in (False, True):

@@ -105,12 +105,11 @@ def test_async_equals_sync_bit_for_bit_when_clipping_does_not_fire(runs):
                                torch.tensor(runs["sync", "never"]["norms"]), **TOLERANCE)
 
 
-def test_async_clipping_fires_and_matches_sync_to_fp32_rounding(runs):
+def test_async_clipping_fires_and_matches_sync_bit_for_bit(runs):
     hooked, sync = runs["async", "fires"], runs["sync", "fires"]
     assert min(hooked["norms"]) > FIRES  # the real norm came back, so clipping fired
-    torch.testing.assert_close(torch.tensor(hooked["norms"]), torch.tensor(sync["norms"]),
-                               **TOLERANCE)
-    assert_same(sync, hooked, **TOLERANCE)
+    assert hooked["norms"] == sync["norms"]
+    assert_same(sync, hooked)
     unclipped = runs["async", "never"]["params"]
     assert any(not torch.equal(a, b) for a, b in zip(unclipped, hooked["params"]))
 
@@ -122,16 +121,14 @@ def test_load_state_then_second_epoch_equals_uninterrupted_run(runs, mode):
     assert_same(whole, resumed)
 
 
-def test_attach_hooks_refuses_plugins_and_processes_it_cannot_follow():
+def test_attach_hooks_refuses_plugins_it_cannot_follow():
+    # (Several processes under DDP work: tests/test_integrations_ranks.py.)
     model = torch.nn.Linear(4, 4)
     opt = AdamBridge(model.parameters(), backend="torch")
     for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        stub = types.SimpleNamespace(distributed_type=kind, num_processes=1)
+        stub = types.SimpleNamespace(distributed_type=kind, num_processes=2)
         with pytest.raises(ValueError, match=kind.value):
             integration.attach_hooks(stub, model, opt)
-    stub = types.SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, num_processes=2)
-    with pytest.raises(ValueError, match="2 processes"):
-        integration.attach_hooks(stub, model, opt)
     single = types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
     with pytest.raises(TypeError, match="SGD, not AdamBridge"):
         integration.attach_hooks(single, model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -3,7 +3,7 @@
 Every run: 7 one-row batches per epoch with gradient_accumulation_steps=2 (so each epoch
 ends on a one-batch window), a linear schedule with warmup, max_grad_norm, 6 optimizer
 steps crossing an epoch, a checkpoint every 3 steps. Async runs are compared with sync runs
-(bit for bit where clipping does not fire, to fp32 rounding where it does), and a resume
+(bit for bit, with clipping that fires or not), and a resume
 from the step-3 checkpoint with the uninterrupted run, bit for bit.
 """
 import os
@@ -147,12 +147,11 @@ def test_async_with_reentrant_gradient_checkpointing_equals_sync_bit_for_bit(run
     assert_same(runs["sync", "never"], runs["async", "checkpointing"])
 
 
-def test_async_clipping_fires_and_matches_sync_to_fp32_rounding(runs):
+def test_async_clipping_fires_and_matches_sync_bit_for_bit(runs):
     sync, hooked = runs["sync", "fires"], runs["async", "fires"]
     assert min(hooked["norms"]) > FIRES  # the logged norm is the real one, so clipping fired
-    torch.testing.assert_close(torch.tensor(hooked["norms"]), torch.tensor(sync["norms"]),
-                               **TOLERANCE)
-    assert_same(sync, hooked, **TOLERANCE)
+    assert hooked["norms"] == sync["norms"]
+    assert_same(sync, hooked)
     unclipped = runs["async", "never"]["params"]
     assert any(not torch.equal(unclipped[n], hooked["params"][n]) for n in unclipped)
 
@@ -182,7 +181,8 @@ def test_callback_refuses_what_async_mode_cannot_honour():
         AdamBridgeCallback().on_train_begin(plain, None, None, model=model,
                                             optimizer=torch.optim.AdamW(model.parameters()))
     opt = AdamBridge(model.parameters(), backend="torch")
-    for setting, value in (("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("world_size", 2)):
+    # (world_size > 1 under DDP works: tests/test_integrations_ranks.py.)
+    for setting, value in (("deepspeed", "ds.json"), ("fsdp", "full_shard")):
         args = types.SimpleNamespace(**dict(vars(plain), **{setting: value}))
         with pytest.raises(ValueError, match=setting):
             AdamBridgeCallback().on_train_begin(args, None, None, model=model, optimizer=opt)

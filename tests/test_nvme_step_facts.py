@@ -98,10 +98,9 @@ def test_tier_max_grad_norm_async_equals_sync(max_norm, tmp_path):
     ram_async = _clipped_run(True, max_norm)
     tier_async = _clipped_run(True, max_norm, **_tier(tmp_path / "a"))
     assert _filed(tier_async[0], tier_async[1]) == sorted(FILED)
-    # Never firing, everything is bit for bit; firing, in-RAM parameters updated before the
-    # norm passed the limit are redone within fp32 rounding (as without the tier), and their
-    # weights feed every later gradient.
-    exact = [n for n, _ in sync[0].named_parameters()] if max_norm > 1e3 else ()
+    # Bit for bit, firing or not: in-RAM parameters updated before the norm passed the
+    # limit are redone from their kept state, file-backed ones wait for the norm.
+    exact = [n for n, _ in sync[0].named_parameters()]
     _assert_close(sync[0], sync[1], tier_async[0], tier_async[1], exact_names=exact)
     _assert_close(ram_async[0], ram_async[1], tier_async[0], tier_async[1], exact_names=exact)
     torch.testing.assert_close(torch.tensor(tier_async[2]), torch.tensor(sync[2]),
@@ -114,6 +113,47 @@ def test_tier_max_grad_norm_async_holds_file_backed_params_for_the_exact_update(
     sync = _clipped_run(False, 9.0, steps=2)
     tier_async = _clipped_run(True, 9.0, steps=2, **_tier(tmp_path))
     _assert_close(sync[0], sync[1], tier_async[0], tier_async[1], exact_names=FILED)
+
+
+LIMIT = 7.0  # above the norm of the gradients landing first at some steps, below the total
+
+
+def _paced_clip_run(hooks: bool, steps: int = 6, **tier):
+    """max_grad_norm=LIMIT with the worker keeping up: 4.weight, then the file-backed
+    2.weight, then 0.weight are handed to it one by one (the biases go at the step); returns
+    the model, the optimizer and, per step, (the norm of the first two gradients, the total)."""
+    from _worker_pace import keep_up
+    model = _model()
+    opt = _optimizer(model, max_grad_norm=LIMIT, **tier)
+    if hooks:
+        opt.attach_hooks(model)
+        keep_up(opt, model)
+    named, norms = dict(model.named_parameters()), []
+    for x, y in _data(steps):
+        _loss(model, x, y).backward()
+        if not hooks:  # sync keeps p.grad until the step: where the running norm stands
+            first = torch.stack([named[n].grad.norm() for n in ("4.weight", "2.weight")])
+            norms.append((float(first.norm()), None))
+        opt.step()
+        if not hooks:
+            norms[-1] = (norms[-1][0], opt.last_step_stats.grad_norm)
+        opt.zero_grad()
+    return model, opt, norms
+
+
+def test_tier_clipping_that_fires_after_file_backed_gradients_landed_equals_sync(tmp_path):
+    # A file-backed parameter whose gradient lands while the running norm is under the
+    # limit must wait for the step's norm: the tier commits what it streams, and a redo
+    # needs the state from before the update, which only the files held.
+    sync = _paced_clip_run(False)
+    assert all(total > LIMIT for _, total in sync[2])  # clipping fires every step
+    # ... and at step 5 (not held: only the first step after attach_hooks is), after
+    # 2.weight's gradient was handed over under the limit.
+    assert sync[2][4][0] < LIMIT, sync[2]
+    tier_async = _paced_clip_run(True, **_tier(tmp_path))
+    assert _filed(tier_async[0], tier_async[1]) == sorted(FILED)
+    _assert_close(sync[0], sync[1], tier_async[0], tier_async[1],
+                  exact_names=[n for n, _ in sync[0].named_parameters()])
 
 
 def test_tier_clip_first_used_after_a_commit_fails_in_one_line(tmp_path):

@@ -14,7 +14,10 @@ this module unwraps it. ``accelerator.accumulate`` sets ``sync_gradients`` befor
 backward, so the hooks update exactly on the backward that closes the window, and
 ``AcceleratedOptimizer.step()`` calls ours on that micro-batch only.
 ``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``, which the
-optimizer answers while hooks are attached. ``save_state`` / ``load_state`` go through
+optimizer answers while hooks are attached. Several processes: ``prepare`` wraps the model
+in DistributedDataParallel, whose all-reduced buckets the optimizer updates from (its comm
+hook, see distributed.py), so the hooks go on that wrapper; ``accumulate`` runs the other
+micro-batches under ``no_sync``, so nothing is reduced or updated before the closing one. ``save_state`` / ``load_state`` go through
 ``state_dict`` / ``load_state_dict`` and may be called with hooks attached.
 
 fp16 with a GradScaler: GradScaler hands AdamBridge its inf flag, so our ``step()`` runs and
@@ -47,9 +50,20 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
     opt = unwrap_optimizer(optimizer, _WHO)
     report_skipped_steps(optimizer)
     gradient_state = accelerator.gradient_state
-    opt.attach_hooks(accelerator.unwrap_model(model),
+    opt.attach_hooks(_ddp_in(model) or accelerator.unwrap_model(model),
                      closes_window=lambda: bool(gradient_state.sync_gradients))
     return opt
+
+
+def _ddp_in(model: Any) -> Any:
+    """The DistributedDataParallel that ``prepare`` wrapped the model in, or None."""
+    seen = set()
+    while model is not None and id(model) not in seen:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        seen.add(id(model))
+        model = getattr(model, "_orig_mod", None)  # a torch.compile'd wrapper
+    return None
 
 
 def detach_hooks(optimizer: Any) -> None:
@@ -83,13 +97,10 @@ def report_skipped_steps(optimizer: Any) -> None:
 
 
 def _refuse(accelerator: Any) -> None:
-    """Set-ups where the hooks would see gradients that accelerate still changes."""
+    """Set-ups where the hooks would see gradients that accelerate still changes (DDP,
+    the multi-process default, is handled by the optimizer itself)."""
     kind = accelerator.distributed_type
     if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM,
                 DistributedType.XLA):
         raise ValueError(f"{_WHO}: accelerate's {kind.value} plugin is not supported in "
                          f"asynchronous mode; use AdamBridge without hooks (opt.step()) there")
-    if accelerator.num_processes > 1:
-        raise ValueError(f"{_WHO}: {accelerator.num_processes} processes ({kind.value}): "
-                         f"gradients are reduced after the hooks run; asynchronous mode needs "
-                         f"one process, use AdamBridge without hooks for multi-process runs")

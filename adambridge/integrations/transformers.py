@@ -21,6 +21,9 @@ Why the callback is enough (transformers/trainer.py, ``_inner_training_loop``):
   the exact global norm (the logged ``grad_norm``) and clips the host gradients.
 - ``AcceleratedOptimizer.step()`` / ``zero_grad()`` reach ours whenever ``sync_gradients``
   is True, which is exactly the closing micro-batch: ``step()`` finishes the step.
+- Several processes (DDP): the callback is given the model DDP wraps; the optimizer finds
+  the wrapper and updates from its all-reduced buckets. The Trainer runs the other
+  micro-batches of a window under ``no_sync``, so nothing is reduced before the closing one.
 - fp16 with a GradScaler: a step the scaler skips is reported to accelerate
   (``integrations.accelerate.report_skipped_steps``, both modes), so the Trainer holds the
   LR schedule on that step as it does with AdamW.
@@ -99,7 +102,5 @@ def _refuse_async_settings(args: Any) -> None:
     if args.fsdp:
         raise ValueError(f"{_WHO}(async_mode=True) does not support TrainingArguments.fsdp "
                          f"(FSDP shards gradients after the hooks run); use async_mode=False")
-    if args.world_size > 1:
-        raise ValueError(f"{_WHO}(async_mode=True) runs on one process (world_size is "
-                         f"{args.world_size}: gradients are reduced after the hooks run); use "
-                         f"async_mode=False")
+    # Several processes otherwise mean DDP, which the optimizer follows itself: it updates
+    # from DDP's all-reduced buckets (distributed.py), found from the model it is given.

@@ -1,0 +1,44 @@
+"""The accelerate and HF Trainer adapters in asynchronous mode on 2 gloo ranks (DDP).
+
+Each framework wraps the model in DistributedDataParallel; the optimizer updates from DDP's
+all-reduced buckets, so async must equal sync bit for bit on every rank, with gradient
+accumulation (the other micro-batches run under ``no_sync``) and clipping that fires, and
+the ranks must stay identical (each saw its own share of the data).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="needs accelerate (test extra)")
+
+import _framework_ranks as ranks  # noqa: E402
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for i, (p, q) in enumerate(zip(a["params"], b["params"])):
+        assert torch.equal(p, q), i
+        for key, value in a["state"][i].items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+
+
+def _check(results: list) -> None:
+    for result in results:
+        _assert_same(result["async"], result["sync"])
+        assert result["async"]["norms"] == result["sync"]["norms"]
+        assert min(result["async"]["norms"]) > ranks.FIRES  # clipping fired
+        assert result["async"]["wrapped"] == "DistributedDataParallel"
+    _assert_same(results[0]["async"], results[1]["async"])  # the ranks agree
+
+
+def test_accelerate_async_on_two_ranks_equals_sync_bit_for_bit(tmp_path):
+    results = ranks.launch("accelerate", 2, tmp_path)
+    _check(results)
+    assert all(r["async"]["hooked"] and r["async"]["kind"] == "MULTI_CPU" for r in results)
+
+
+def test_trainer_async_on_two_ranks_equals_sync_bit_for_bit(tmp_path):
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    results = ranks.launch("trainer", 2, tmp_path)
+    _check(results)
+    assert all(r["async"]["world"] == 2 for r in results)

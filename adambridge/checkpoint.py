@@ -214,7 +214,7 @@ def _host_flat(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
 
 
 def _rebuild_entry(checked: dict, p: torch.Tensor, precision: str) -> dict:
-    restored = {"step": torch.tensor(float(checked["step"]))}
+    restored = {"step": torch.tensor(float(checked["step"]), dtype=torch.float32)}
     if host_state.can_alias_master(p):
         restored["master"] = p.detach().view(-1)  # fp32 CPU params are their own master
     else:  # without a master (a torch checkpoint) the parameter holds the weights

@@ -97,15 +97,15 @@ def new_state(master_source: torch.Tensor, precision: str, *, alias: bool) -> di
         master.copy_(master_source.reshape(-1))
     m_dtype, v_dtype = MOMENT_DTYPES[precision]
     state = {
-        "step": torch.tensor(0.0),
+        "step": torch.tensor(0.0, dtype=torch.float32),
         "master": master,
         "exp_avg": host_zeros(numel, m_dtype),
         "exp_avg_sq": host_zeros(numel, v_dtype),
     }
     if precision == "fp8":
         blocks = codecs.fp8_num_blocks(numel)
-        state["exp_avg_scale"] = torch.zeros(blocks)
-        state["exp_avg_sq_scale"] = torch.zeros(blocks)
+        state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32)
+        state["exp_avg_sq_scale"] = torch.zeros(blocks, dtype=torch.float32)
     return state
 
 

@@ -190,6 +190,7 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     fresh = "ab_step" not in entry or _same_step(entry["ab_step"], step)
     moments = _checked_moments(index, entry, numel, "")  # torch's form, checked always
     native = {k: entry[OURS + k] for k in NATIVE_KEYS if OURS + k in entry}
+    _check_native_pairs(index, native)
     if fresh and len(native) >= 2 and saved_precision is not None and \
             _moment_dtypes_ok(native) == saved_precision:
         moments = _checked_moments(index, native, numel, OURS)
@@ -199,9 +200,41 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
         if not value.is_floating_point():
             raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: dtype "
                              f"{value.dtype} (expected torch.float32)")
-        if fresh and value.dtype == torch.float32:
-            master = value  # else torch cast or outdated it: the parameter holds the weights
+        if fresh:  # else torch outdated it: the parameter holds the weights
+            master = _checked_master(index, value)
     return {"step": step, "moments": moments, "master": master}
+
+
+def _check_native_pairs(index: int, native: dict) -> None:
+    """Our stored moments are saved together: one without the other is a damaged entry."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if native and key not in native:
+            has = ", ".join(repr(OURS + k) for k in native)
+            raise ValueError(f"Checkpoint state of parameter {index} lacks {OURS + key!r} "
+                             f"(it has {has}, which AdamBridge saves together)")
+
+
+def _checked_master(index: int, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 master a checkpoint holds, or None where torch cast it to the parameter's
+    dtype (the parameter then holds the weights). A float64 master (a converted
+    checkpoint) is taken when float32 holds each of its values exactly."""
+    if value.dtype not in (torch.float32, torch.float64):
+        return None
+    bad = int((~torch.isfinite(value)).sum())
+    if bad:
+        raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: {bad} of "
+                         f"{value.numel()} elements are inf or NaN; resume from a checkpoint "
+                         f"written before the run diverged")
+    if value.dtype == torch.float64:
+        exact = value.float()
+        inexact = exact.double() != value
+        if inexact.any():
+            raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
+                             f"values that float32 does not hold exactly (e.g. "
+                             f"{value[inexact].flatten()[0].item()!r}); the master is float32: "
+                             f"save it as float32")
+        value = exact
+    return value
 
 
 # --------------------------------------------------------------------------- restoring

@@ -97,6 +97,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
         self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step (issue 13)
+        # What the last state_dict() handed out, and why an in-place load into it was refused.
+        self._handed: Optional[checkpoint.HandedOut] = None
+        self._in_place_refusal: Optional[str] = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if offload is not None:
@@ -221,6 +224,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.finish()
             return loss
+        if self._handed is not None or self._in_place_refusal is not None:
+            self.settle_in_place()  # before anything changes (async: at each gradient)
         interception.check_sync_step(self)  # a parameter another optimizer's hooks update
         if self.autotune_config is not None:
             autotune.tune_threads_once(self)
@@ -401,21 +406,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self.settle_in_place(strict=False)  # a load into the previous one: taken or recorded
         meta = checkpoint.group_meta(self.seed, self._precision)
-        groups = [dict({k: v for k, v in group.items() if k != "params"}, **meta,
-                       params=[self._param_index[p] for p in group["params"]])
+        # torch's own AdamW flags too: DCP loads a checkpoint only into keys it holds.
+        groups = [{**checkpoint.torch_group_flags(),
+                   **{k: v for k, v in group.items() if k != "params"}, **meta,
+                   "params": [self._param_index[p] for p in group["params"]]}
                   for group in self.param_groups]
-        # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
-        filed = self._tier.committed_states() if self._tier is not None else {}
-        state = {}
-        for key, value in self.state.items():
-            if not isinstance(key, torch.Tensor):
-                state[key] = value  # not a parameter's: kept as is, as torch does
-            elif value and self._shard_group is None:
-                value = filed.get(key, value)  # a file-backed state: its committed tensors
-                state[self._param_index[key]] = distributed.saved_entry(key, value)
-        if self._shard_group is not None:  # a collective: the whole state, on every rank
-            state.update(zero.saved_state(self))
+        state, handed = self._saved_states()
+        self._handed = checkpoint.HandedOut(state, handed)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         if self._tuner is not None:  # where the precision tuner is, for a resume
             saved["adambridge"]["autotune"] = self._tuner.state_dict()
@@ -423,6 +422,30 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, saved)
             saved = saved if result is None else result
         return saved
+
+    def _saved_states(self) -> tuple:
+        """(the saved 'state', (index, p, why its tensors are copies) per parameter entry)."""
+        # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
+        filed = self._tier.committed_states() if self._tier is not None else {}
+        state, handed = {}, []
+        for key, value in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = value  # not a parameter's: kept as is, as torch does
+            elif value and self._shard_group is None:
+                index = self._param_index[key]
+                if key in filed:
+                    value = filed[key]  # a file-backed state: its committed tensors
+                    copied = "keeps its state in the NVMe tier's files, read into copies"
+                else:
+                    copied = checkpoint.copied_because(key, value)
+                state[index] = distributed.saved_entry(key, value)
+                handed.append((index, key, copied))
+        if self._shard_group is not None:  # a collective: the whole state, on every rank
+            state.update(zero.saved_state(self))
+            by_index = {i: p for p, i in self._param_index.items()}
+            handed = [(i, by_index[i], "is sharded by shard_state, saved as gathered copies")
+                      for i in state if i in by_index]
+        return state, handed
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint (ours, or torch.optim.AdamW's), converting the precision.
@@ -437,13 +460,19 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         # A tuned run resumes in the precision its tuner had reached (autotune.py).
         precision, tuned = autotune.resumed(self, state_dict)
-        if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
-            new_state, new_groups, meta = zero.restore(self, state_dict)
-        else:
-            new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                               params, precision)
-        if self._tier is not None:
-            new_state = self._tier.adopt(new_state)  # file-placed states go into their files
+        try:
+            if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
+                new_state, new_groups, meta = zero.restore(self, state_dict)
+            else:
+                new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                                                                   params, precision)
+            if self._tier is not None:
+                new_state = self._tier.adopt(new_state)  # file-placed states go into files
+        except BaseException:
+            if self._handed is not None and self._handed.written():
+                self._in_place_refusal = checkpoint.REFUSED_AFTER_IN_PLACE
+            raise
+        self._handed, self._in_place_refusal = None, None
         self.release_plan()
         self.state.clear()
         self._layout.clear()
@@ -469,6 +498,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state = {k: v for k, v in self.__dict__.items()
                  if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
         state["_pipeline"] = None
+        state["_handed"] = None  # its version counter is this optimizer's, not a copy's
         # The plan holds raw pointers into this optimizer's tensors: a copy builds its own.
         state["_plan"], state["_written"] = None, self.written_records()
         return state
@@ -480,6 +510,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_shard_group", None)  # pickled before shard_state existed
         self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
         self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
+        self.__dict__.setdefault("_handed", None)  # pickled before in-place loads were seen
+        self.__dict__.setdefault("_in_place_refusal", None)
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
 

@@ -21,7 +21,9 @@ from .state import can_alias_master
 class ParamOwner:
     """Mixin of AdamBridge; needs ``param_groups``, ``state``, ``seed``, ``_precision``,
     ``stochastic_rounding``, ``_tier`` (the NVMe tier or None), ``_plan`` (the cached
-    step_plan.StepPlan or None) and the dicts ``_param_index``, ``_layout``, ``_written``."""
+    step_plan.StepPlan or None), the dicts ``_param_index``, ``_layout``, ``_written``, and
+    ``_handed`` (checkpoint.HandedOut of the last state_dict(), or None) with
+    ``_in_place_refusal`` (str or None)."""
 
     def release_plan(self) -> None:
         """Drop the cached step plan (step_plan.py), handing its write records back first:
@@ -55,8 +57,34 @@ class ParamOwner:
         check.unchanged_layout(p, self.index(p), self._layout.get(p))
 
     def check_gradient(self, p: torch.Tensor) -> None:
-        """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout)."""
+        """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout), or
+        if a checkpoint loaded in place cannot be stepped from (``settle_in_place``)."""
+        if self._handed is not None or self._in_place_refusal is not None:
+            self.settle_in_place()
         check.gradient(p, self.index(p), self._layout.get(p))
+
+    def settle_in_place(self, strict: bool = True) -> None:
+        """Take, or refuse until the next load_state_dict(), a checkpoint loaded in place
+        into the last state_dict() (``dcp.load`` with no ``load_state_dict``).
+
+        Taken when every entry handed out the state's own tensors and holds a current
+        AdamBridge state (checkpoint.HandedOut.verdict): the next step then compares each
+        parameter with its loaded master, as after load_state_dict(). Else, with ``strict``,
+        a one-line RuntimeError (state_dict() only records it: DCP's own loading calls it
+        between its in-place load and load_state_dict()).
+        """
+        handed = self._handed
+        if handed is not None and handed.written():
+            self._handed = None
+            refusal = handed.verdict(self.state)
+            if refusal is None:
+                self.release_plan()  # its write records are dropped below
+                for p in handed.params():
+                    self._written.pop(p, None)
+            else:
+                self._in_place_refusal = refusal
+        if strict and self._in_place_refusal is not None:
+            raise RuntimeError(self._in_place_refusal)
 
     def in_files(self, p: torch.Tensor) -> bool:
         """Whether p's state lives in the NVMe tier's files (``offload_dir``)."""

@@ -172,8 +172,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 if key in seen:
                     continue
                 seen.add(key)
-                check.parameter(key, len(self._param_index) + len(unique))
-                distributed.check_parameter(key, len(self._param_index) + len(unique))
+                _check_new_param(key, len(self._param_index) + len(unique))
             unique.append(p)
         for key in _OPTIMIZER_WIDE:
             if key in param_group:
@@ -187,6 +186,53 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             _refuse_dtensors_with_offload(p for p in unique if isinstance(p, torch.Tensor))
         super().add_param_group(dict(param_group, params=unique))
         self._index_params()
+
+    def follow_groups(self) -> None:
+        """Index the parameters put into, taken out of or replaced in param_groups[i]['params']
+        since the index was made, checked as add_param_group checks them.
+
+        torch.optim steps whatever the groups hold (DeepSpeed's ZeRO-offload hands its CPU
+        optimizer its partitions so), so the synchronous step does too: the parameters are
+        indexed in group order, as if the optimizer had been built with these groups. A
+        parameter taken out keeps its state in opt.state but is no longer stepped or saved.
+        With hooks attached, or with shard_state (whose ranges follow the index), a change is
+        refused in one line instead.
+        """
+        if not self.groups_changed():
+            return
+        flat = [p for group in self.param_groups for p in group["params"]]
+        if self._pipeline is not None or self._shard_group is not None:
+            raise self._groups_refusal(flat)
+        known, seen = set(map(id, self._indexed)), set()
+        for i, p in enumerate(flat):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"Invalid param_groups entry {i}: {type(p).__name__} (expected "
+                                f"a parameter tensor)")
+            if id(p) in seen:
+                raise ValueError(f"Invalid param_groups: parameter {i} (shape {tuple(p.shape)}) "
+                                 f"is listed twice; list each tensor once")
+            seen.add(id(p))
+            if id(p) not in known:
+                _check_new_param(p, i)
+                if self._tier is not None:
+                    _refuse_dtensors_with_offload([p])
+        self._index_params()
+
+    def _groups_refusal(self, flat: list) -> RuntimeError:
+        """The one-line error for param_groups changed under hooks or shard_state."""
+        now, before = {id(p) for p in flat}, {id(p) for p in self._indexed}
+        added = [(i, p) for i, p in enumerate(flat) if id(p) not in before]
+        i, p = added[0] if added else next((i, p) for i, p in enumerate(self._indexed)
+                                           if id(p) not in now)
+        what = (f"parameter {i} (shape {tuple(p.shape)}) was "
+                f"{'put into' if added else 'taken out of'} param_groups")
+        if self._pipeline is not None:
+            return RuntimeError(f"param_groups changed after attach_hooks(): {what}, which the "
+                                f"hooks do not follow; call opt.detach_hooks(), then "
+                                f"opt.attach_hooks(model)")
+        return RuntimeError(f"param_groups changed after construction with shard_state=True: "
+                            f"{what}, and each rank's host ranges follow the index; build a new "
+                            f"AdamBridge over the new groups")
 
     # ------------------------------------------------------------------ backend
 
@@ -238,6 +284,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             stats.grad_norm = step_facts.sync_clip(self)
         if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
+            self.follow_groups()  # refused: the ranges follow the index
             zero.sync_step(self, stats, began)
             return loss
         plan = self._plan
@@ -245,6 +292,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             plan.run(self)
             return self._finish_stats(stats, len(plan), began, loss)
         self.release_plan()
+        self.follow_groups()  # parameters put into param_groups[i]["params"] directly
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:  # DTensors put into param_groups behind our back
                 _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
@@ -342,6 +390,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        self.follow_groups()  # the hooks cover the groups as they are now
         self.release_plan()  # the pipeline reads the write records and owns the steps now
         if self._shard_group is not None:  # shard_state: this rank's ranges, from DDP's hook
             from . import zero_async
@@ -406,6 +455,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self.follow_groups()  # ids are positions in the groups as they are now
         self.settle_in_place(strict=False)  # a load into the previous one: taken or recorded
         meta = checkpoint.group_meta(self.seed, self._precision)
         # torch's own AdamW flags too: DCP loads a checkpoint only into keys it holds.
@@ -431,8 +481,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for key, value in self.state.items():
             if not isinstance(key, torch.Tensor):
                 state[key] = value  # not a parameter's: kept as is, as torch does
-            elif value and self._shard_group is None:
-                index = self._param_index[key]
+            elif value and self._shard_group is None and key in self._param_index:
+                index = self._param_index[key]  # (else taken out of param_groups: not saved)
                 if key in filed:
                     value = filed[key]  # a file-backed state: its committed tensors
                     copied = "keeps its state in the NVMe tier's files, read into copies"
@@ -457,6 +507,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        self.follow_groups()  # the checkpoint's ids name the groups' parameters as they are
         params = [p for group in self.param_groups for p in group["params"]]
         # A tuned run resumes in the precision its tuner had reached (autotune.py).
         precision, tuned = autotune.resumed(self, state_dict)
@@ -512,8 +563,16 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
         self.__dict__.setdefault("_handed", None)  # pickled before in-place loads were seen
         self.__dict__.setdefault("_in_place_refusal", None)
+        if "_indexed" not in self.__dict__:  # pickled before param_groups were followed
+            self.__dict__["_indexed"] = [p for g in self.param_groups for p in g["params"]]
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
+
+
+def _check_new_param(p: torch.Tensor, index: int) -> None:
+    """What add_param_group checks of each parameter it adds."""
+    check.parameter(p, index)
+    distributed.check_parameter(p, index)
 
 
 def _refuse_dtensors_with_offload(params: Iterable) -> None:

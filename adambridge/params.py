@@ -7,6 +7,7 @@ public methods rather than reaching into the optimizer (DESIGN.md section 8, the
 """
 from __future__ import annotations
 
+from operator import is_
 from typing import Optional, Sequence
 
 import torch
@@ -43,6 +44,14 @@ class ParamOwner:
         # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
         flat = [p for group in self.param_groups for p in group["params"]]
         self._param_index = {p: i for i, p in enumerate(flat)}
+        self._indexed = flat  # what follow_groups compares the groups with
+
+    def groups_changed(self) -> bool:
+        """Whether param_groups[i]['params'] hold other tensors than the index was made of
+        (put in, taken out or replaced since add_param_group / load_state_dict)."""
+        flat = [p for group in self.param_groups for p in group["params"]]
+        indexed = getattr(self, "_indexed", None)
+        return indexed is None or len(flat) != len(indexed) or not all(map(is_, flat, indexed))
 
     def index(self, p: torch.Tensor) -> int:
         """p's index: its position in the state_dict and a key of its rounding bits."""

@@ -102,6 +102,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._in_place_refusal: Optional[str] = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.state = host_state.host_states(self.state)  # its tensors stay on the host
         if offload is not None:
             _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             self._tier = nvme.Tier(self, offload, host_budget)
@@ -528,7 +529,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master
-        for key, value in new_state.items():
+        for key, value in host_state.host_states(new_state).items():
             self.state[key] = value
             if isinstance(key, torch.Tensor):
                 self._layout[key] = (key.shape, key.dtype)
@@ -563,6 +564,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
         self.__dict__.setdefault("_handed", None)  # pickled before in-place loads were seen
         self.__dict__.setdefault("_in_place_refusal", None)
+        self.state = host_state.host_states(self.state)  # pickled with plain dicts, perhaps
         if "_indexed" not in self.__dict__:  # pickled before param_groups were followed
             self.__dict__["_indexed"] = [p for g in self.param_groups for p in g["params"]]
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag

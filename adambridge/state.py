@@ -9,8 +9,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections import defaultdict
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -76,6 +77,40 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return host_empty(numel, dtype).zero_()
+
+
+HOST_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
+class HostState(dict):
+    """``optimizer.state[p]``: a plain dict of p's state, whose tensors stay in host memory.
+
+    NOTE: frameworks move "the optimizer state" to the training device after loading a
+    checkpoint: Lightning's ``_optimizer_to_device`` assigns ``state[key] = value.to(device)``
+    for every key but 'step' (DeepSpeed's and torchao's offload optimizers meet the same).
+    Here that would put the host state on the GPU, or, on the meta device, drop its values.
+    So a tensor on another device assigned to a key whose host tensor has its shape and
+    dtype is written into that host tensor (a meta tensor holds no values: nothing is
+    written), and the host tensor stays; anything else is stored as given.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        old = self.get(key)
+        if (key in HOST_KEYS and isinstance(value, torch.Tensor) and not value.is_cpu
+                and isinstance(old, torch.Tensor) and old.is_cpu
+                and value.shape == old.shape and value.dtype == old.dtype):
+            if value.device.type != "meta":
+                old.copy_(value)
+            return
+        super().__setitem__(key, value)
+
+
+def host_states(states: Any) -> "defaultdict":
+    """``optimizer.state`` with each parameter's plain dict a HostState."""
+    out: defaultdict = defaultdict(HostState)
+    for key, value in states.items():
+        out[key] = HostState(value) if type(value) is dict else value
+    return out
 
 
 def can_alias_master(p: torch.Tensor) -> bool:

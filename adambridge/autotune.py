@@ -105,7 +105,7 @@ def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], flo
     from . import state as host_state
     from .codecs import stream_key
     from .functional import Hyper, adamw_update
-    master = torch.randn(numel)
+    master = torch.randn(numel, dtype=torch.float32)
     st = host_state.new_state(master, precision, alias=True)
     grad = torch.randn(numel, dtype=torch.bfloat16)
     out = torch.empty(numel, dtype=torch.bfloat16)

@@ -10,11 +10,18 @@ docs/checkpoints.md.
 
 ``restore`` never mutates the optimizer: every value is checked first and it returns the new
 state and groups, so a checkpoint that does not fit is refused with everything as it was.
+
+As torch's optimizers do, the saved form hands out the state's own tensors wherever they are
+the saved form (``step``, ``master``, the ``ab_`` moments, and torch's moments when they are
+stored in the parameter's dtype), so a checkpoint loaded into it in place (``dcp.load`` with
+no ``load_state_dict``) reaches the optimizer; ``HandedOut`` sees such a load and says whether
+it can be taken as it is (see docs/checkpoints.md).
 """
 from __future__ import annotations
 
 import math
 from copy import deepcopy
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -26,27 +33,55 @@ NATIVE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 OURS = "ab_"          # prefix of the native entries
 GROUP_META = ("seed", "precision", "numerics")
 MAX_STEP = 2 ** 24    # a float32 step (torch's and ours) counts exactly up to here
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 # --------------------------------------------------------------------------- saving
 
 
+def stored_as_torch(p: torch.Tensor, state: dict) -> bool:
+    """Whether the stored moments are torch's form for p (held in p's dtype)."""
+    return host_state.MOMENT_DTYPES[host_state.precision_of(state)] == (p.dtype, p.dtype)
+
+
 def saved_entry(p: torch.Tensor, state: dict) -> dict:
-    """One parameter's checkpoint entry: torch's form, our master and, if needed, our bits."""
-    precision = host_state.precision_of(state)
-    m, v = host_state.decode_moments(state)
-    step = int(state["step"].item())
+    """One parameter's checkpoint entry: torch's form, our master and, if needed, our bits.
+
+    Every tensor but ``ab_step`` is the state's own where the stored form is the saved one
+    (as torch's state_dict() returns its live state); decoded moments are copies.
+    """
+    if stored_as_torch(p, state):
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+    else:
+        m, v = host_state.decode_moments(state)
     entry = {
-        "step": state["step"].clone(),
+        "step": state["step"],
         "exp_avg": m.to(p.dtype).view(p.shape),
         "exp_avg_sq": v.to(p.dtype).view(p.shape),
         "master": state["master"].view(p.shape),
-        "ab_step": torch.tensor(step, dtype=torch.int64),
+        "ab_step": torch.tensor(int(state["step"].item()), dtype=torch.int64),
     }
-    if host_state.MOMENT_DTYPES[precision] != (p.dtype, p.dtype):
+    if not stored_as_torch(p, state):
         # torch's form rounds these moments: keep the stored bits for an exact resume.
         entry.update({OURS + k: state[k] for k in NATIVE_KEYS if k in state})
     return entry
+
+
+@lru_cache(maxsize=1)
+def _torch_adamw_flags() -> tuple:
+    probe = torch.optim.AdamW([torch.zeros(1, dtype=torch.float32)])
+    return tuple((k, v) for k, v in probe.defaults.items() if k not in HYPERPARAMETERS)
+
+
+def torch_group_flags() -> dict:
+    """torch.optim.AdamW's other group options (amsgrad, foreach, ...) at the installed
+    torch's defaults, which is what AdamBridge computes.
+
+    NOTE: torch.distributed.checkpoint loads only into keys the loading optimizer's own
+    state_dict() has, and needs each of them in the checkpoint: saved in every group, they
+    let a DCP checkpoint of ours load into torch.optim.AdamW.
+    """
+    return dict(_torch_adamw_flags())
 
 
 def group_meta(seed: int, precision: str) -> dict:
@@ -190,6 +225,7 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     fresh = "ab_step" not in entry or _same_step(entry["ab_step"], step)
     moments = _checked_moments(index, entry, numel, "")  # torch's form, checked always
     native = {k: entry[OURS + k] for k in NATIVE_KEYS if OURS + k in entry}
+    _check_native_pairs(index, native)
     if fresh and len(native) >= 2 and saved_precision is not None and \
             _moment_dtypes_ok(native) == saved_precision:
         moments = _checked_moments(index, native, numel, OURS)
@@ -199,9 +235,41 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
         if not value.is_floating_point():
             raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: dtype "
                              f"{value.dtype} (expected torch.float32)")
-        if fresh and value.dtype == torch.float32:
-            master = value  # else torch cast or outdated it: the parameter holds the weights
+        if fresh:  # else torch outdated it: the parameter holds the weights
+            master = _checked_master(index, value)
     return {"step": step, "moments": moments, "master": master}
+
+
+def _check_native_pairs(index: int, native: dict) -> None:
+    """Our stored moments are saved together: one without the other is a damaged entry."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if native and key not in native:
+            has = ", ".join(repr(OURS + k) for k in native)
+            raise ValueError(f"Checkpoint state of parameter {index} lacks {OURS + key!r} "
+                             f"(it has {has}, which AdamBridge saves together)")
+
+
+def _checked_master(index: int, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 master a checkpoint holds, or None where torch cast it to the parameter's
+    dtype (the parameter then holds the weights). A float64 master (a converted
+    checkpoint) is taken when float32 holds each of its values exactly."""
+    if value.dtype not in (torch.float32, torch.float64):
+        return None
+    bad = int((~torch.isfinite(value)).sum())
+    if bad:
+        raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: {bad} of "
+                         f"{value.numel()} elements are inf or NaN; resume from a checkpoint "
+                         f"written before the run diverged")
+    if value.dtype == torch.float64:
+        exact = value.float()
+        inexact = exact.double() != value
+        if inexact.any():
+            raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
+                             f"values that float32 does not hold exactly (e.g. "
+                             f"{value[inexact].flatten()[0].item()!r}); the master is float32: "
+                             f"save it as float32")
+        value = exact
+    return value
 
 
 # --------------------------------------------------------------------------- restoring
@@ -214,7 +282,7 @@ def _host_flat(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
 
 
 def _rebuild_entry(checked: dict, p: torch.Tensor, precision: str) -> dict:
-    restored = {"step": torch.tensor(float(checked["step"]))}
+    restored = {"step": torch.tensor(float(checked["step"]), dtype=torch.float32)}
     if host_state.can_alias_master(p):
         restored["master"] = p.detach().view(-1)  # fp32 CPU params are their own master
     else:  # without a master (a torch checkpoint) the parameter holds the weights
@@ -257,8 +325,90 @@ def restore(state_dict: Any, groups: list, params: list, precision: str) -> tupl
     for saved, group in zip(saved_groups, groups):
         for key in GROUP_META:
             saved.pop(key, None)  # the optimizer's own settings, not group options
+        for key, default in torch_group_flags().items():
+            if key not in group and saved.get(key, default) == default:
+                saved.pop(key, None)  # torch's defaults are what AdamBridge does anyway
         saved["params"] = group["params"]
         if "param_names" in group and "param_names" not in saved:
             saved["param_names"] = group["param_names"]
         new_groups.append(saved)
     return new_state, new_groups, meta
+
+
+# --------------------------------------------------------------------------- in-place loads
+
+NOT_OURS_STEP = -1  # written into ab_step where a load found no AdamBridge entries (dcp.py)
+REFUSED_AFTER_IN_PLACE = (
+    "load_state_dict() refused a checkpoint that had been loaded in place into "
+    "opt.state_dict(), whose tensors are the optimizer's own: load_state_dict() one that "
+    "it accepts before the next step")
+
+
+class HandedOut:
+    """What the last state_dict() handed out, to see a checkpoint loaded into it in place.
+
+    Every entry's ``ab_step`` is a 0-d view of one int64 tensor kept here, so a load into the
+    dict (``dcp.load`` writes each tensor with ``copy_``) moves that tensor's version counter
+    even after the dict itself is gone: one compare per step sees it.
+    """
+
+    def __init__(self, state: dict, entries: list) -> None:
+        """``entries``: (index, p, why its saved tensors are copies, or None) per entry of
+        the saved ``state``, whose ab_step tensors become views of ``self.steps``."""
+        self.entries = entries
+        self.steps = torch.tensor([int(state[i]["ab_step"]) for i, _, _ in entries],
+                                  dtype=torch.int64)
+        for (i, _, _), view in zip(entries, self.steps.unbind(0)):
+            state[i]["ab_step"] = view
+        self.version = self.steps._version
+
+    def written(self) -> bool:
+        return self.steps._version != self.version
+
+    def params(self) -> list:
+        return [p for _, p, _ in self.entries]
+
+    def verdict(self, states: dict) -> Optional[str]:
+        """None when what was loaded in place is a whole, current AdamBridge state that the
+        optimizer's own tensors now hold; else the one-line refusal."""
+        for (index, p, copied), ab_step in zip(self.entries, self.steps.tolist()):
+            problem = copied or _in_place_problem(index, states.get(p), ab_step)
+            if problem:
+                return (f"A checkpoint was loaded in place into opt.state_dict() (dcp.load "
+                        f"with no load_state_dict): parameter {index} {problem}; pass the "
+                        f"loaded dict to opt.load_state_dict(), or load with torch.distributed"
+                        f".checkpoint.state_dict.set_optimizer_state_dict")
+        return None
+
+
+def copied_because(p: torch.Tensor, state: dict) -> Optional[str]:
+    """Why an in-place load into saved_entry(p, state) cannot be taken as it is, or None.
+
+    Where torch's form is the stored one, every tensor is the state's own. Else the stored
+    moments (ab_) are, and torch's form is a decoded copy; such a load is taken only for fp8,
+    whose ab_ keys (with the scales) no other precision saves, so DCP's strict load proves
+    they hold fp8 codes. A bf16 or fp32 ab_exp_avg could have been loaded from an fp8
+    checkpoint's codes (DCP converts dtypes), which only load_state_dict() sees.
+    """
+    if stored_as_torch(p, state) or host_state.precision_of(state) == "fp8":
+        return None
+    return (f"saves its {state['exp_avg'].dtype} moments both as they are and decoded, and "
+            f"only load_state_dict() can tell which of them the checkpoint filled")
+
+
+def _in_place_problem(index: int, state: Optional[dict], ab_step: int) -> Optional[str]:
+    if not state:
+        return "has no state any more"
+    if ab_step == NOT_OURS_STEP:
+        return ("was loaded from a checkpoint without AdamBridge's entries (e.g. torch.optim."
+                "AdamW's), which only load_state_dict() converts")
+    try:
+        step = _step_of(index, state["step"])
+    except ValueError:
+        return f"got an invalid 'step' {state['step'].item()!r}"
+    if ab_step != step:
+        return (f"got 'ab_step' {ab_step} with 'step' {step} (its AdamBridge entries are "
+                f"older than torch's)")
+    if not torch.isfinite(state["master"]).all():
+        return "got a 'master' holding inf or NaN"
+    return None

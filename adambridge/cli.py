@@ -105,10 +105,10 @@ def _tiny_items(precision: str, seed: int = 1234, n: int = 333):
     import torch
     from . import codecs, functional
     gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen)
-    grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
-    m = torch.randn(n, generator=gen) * 1e-3
-    v = torch.rand(n, generator=gen) * 1e-5
+    master = torch.randn(n, generator=gen, dtype=torch.float32)
+    grad = (torch.randn(n, generator=gen, dtype=torch.float32) * 1e-2).to(torch.bfloat16)
+    m = torch.randn(n, generator=gen, dtype=torch.float32) * 1e-3
+    v = torch.rand(n, generator=gen, dtype=torch.float32) * 1e-5
     moment = torch.float32 if precision == "fp32" else torch.bfloat16
     hyper = functional.Hyper.for_step(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                       weight_decay=0.01, step=3)

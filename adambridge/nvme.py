@@ -158,7 +158,7 @@ class Tier:
                 index = self._opt().index(p)
                 self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
             self._committed.pop(self._files[p].index, None)  # generation 0: read from p
-        return FiledState(step=torch.tensor(0.0))
+        return FiledState(step=torch.tensor(0.0, dtype=torch.float32))
 
     # -- the synchronous step
 
@@ -321,7 +321,7 @@ class Tier:
                 generation, step = self._committed.get(files.index, (0, 0))
                 if generation == 0:  # made, never committed: as a fresh in-RAM state
                     fresh = host_state.new_state(p.detach(), self._opt().precision, alias=False)
-                    states[p] = {**fresh, "step": torch.tensor(float(step))}
+                    states[p] = {**fresh, "step": torch.tensor(float(step), dtype=torch.float32)}
                 else:
                     # The committed step, not state["step"]: a step that has just committed
                     # advances that only after releasing the lock.

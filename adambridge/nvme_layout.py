@@ -192,7 +192,7 @@ def read_state(files: ParamFiles, buffer: AlignedBuffer, generation: int, step: 
     """One parameter's state at ``generation``, read page by page into fresh host tensors."""
     files.check_sizes()
     layout = files.layout
-    state = {"step": torch.tensor(float(step))}
+    state = {"step": torch.tensor(float(step), dtype=torch.float32)}
     for key, dtype, count, _ in layout.parts:
         total = files.numel if count == layout.page_size else codecs.fp8_num_blocks(files.numel)
         state[key] = torch.empty(total, dtype=dtype)

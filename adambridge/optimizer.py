@@ -97,8 +97,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
         self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
         self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step (issue 13)
+        # What the last state_dict() handed out, and why an in-place load into it was refused.
+        self._handed: Optional[checkpoint.HandedOut] = None
+        self._in_place_refusal: Optional[str] = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.state = host_state.host_states(self.state)  # its tensors stay on the host
         if offload is not None:
             _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             self._tier = nvme.Tier(self, offload, host_budget)
@@ -169,8 +173,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 if key in seen:
                     continue
                 seen.add(key)
-                check.parameter(key, len(self._param_index) + len(unique))
-                distributed.check_parameter(key, len(self._param_index) + len(unique))
+                _check_new_param(key, len(self._param_index) + len(unique))
             unique.append(p)
         for key in _OPTIMIZER_WIDE:
             if key in param_group:
@@ -184,6 +187,53 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             _refuse_dtensors_with_offload(p for p in unique if isinstance(p, torch.Tensor))
         super().add_param_group(dict(param_group, params=unique))
         self._index_params()
+
+    def follow_groups(self) -> None:
+        """Index the parameters put into, taken out of or replaced in param_groups[i]['params']
+        since the index was made, checked as add_param_group checks them.
+
+        torch.optim steps whatever the groups hold (DeepSpeed's ZeRO-offload hands its CPU
+        optimizer its partitions so), so the synchronous step does too: the parameters are
+        indexed in group order, as if the optimizer had been built with these groups. A
+        parameter taken out keeps its state in opt.state but is no longer stepped or saved.
+        With hooks attached, or with shard_state (whose ranges follow the index), a change is
+        refused in one line instead.
+        """
+        if not self.groups_changed():
+            return
+        flat = [p for group in self.param_groups for p in group["params"]]
+        if self._pipeline is not None or self._shard_group is not None:
+            raise self._groups_refusal(flat)
+        known, seen = set(map(id, self._indexed)), set()
+        for i, p in enumerate(flat):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"Invalid param_groups entry {i}: {type(p).__name__} (expected "
+                                f"a parameter tensor)")
+            if id(p) in seen:
+                raise ValueError(f"Invalid param_groups: parameter {i} (shape {tuple(p.shape)}) "
+                                 f"is listed twice; list each tensor once")
+            seen.add(id(p))
+            if id(p) not in known:
+                _check_new_param(p, i)
+                if self._tier is not None:
+                    _refuse_dtensors_with_offload([p])
+        self._index_params()
+
+    def _groups_refusal(self, flat: list) -> RuntimeError:
+        """The one-line error for param_groups changed under hooks or shard_state."""
+        now, before = {id(p) for p in flat}, {id(p) for p in self._indexed}
+        added = [(i, p) for i, p in enumerate(flat) if id(p) not in before]
+        i, p = added[0] if added else next((i, p) for i, p in enumerate(self._indexed)
+                                           if id(p) not in now)
+        what = (f"parameter {i} (shape {tuple(p.shape)}) was "
+                f"{'put into' if added else 'taken out of'} param_groups")
+        if self._pipeline is not None:
+            return RuntimeError(f"param_groups changed after attach_hooks(): {what}, which the "
+                                f"hooks do not follow; call opt.detach_hooks(), then "
+                                f"opt.attach_hooks(model)")
+        return RuntimeError(f"param_groups changed after construction with shard_state=True: "
+                            f"{what}, and each rank's host ranges follow the index; build a new "
+                            f"AdamBridge over the new groups")
 
     # ------------------------------------------------------------------ backend
 
@@ -221,6 +271,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.finish()
             return loss
+        if self._handed is not None or self._in_place_refusal is not None:
+            self.settle_in_place()  # before anything changes (async: at each gradient)
         interception.check_sync_step(self)  # a parameter another optimizer's hooks update
         if self.autotune_config is not None:
             autotune.tune_threads_once(self)
@@ -233,6 +285,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             stats.grad_norm = step_facts.sync_clip(self)
         if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
+            self.follow_groups()  # refused: the ranges follow the index
             zero.sync_step(self, stats, began)
             return loss
         plan = self._plan
@@ -240,6 +293,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             plan.run(self)
             return self._finish_stats(stats, len(plan), began, loss)
         self.release_plan()
+        self.follow_groups()  # parameters put into param_groups[i]["params"] directly
         if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:  # DTensors put into param_groups behind our back
                 _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
@@ -337,6 +391,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         from . import ddp_async, pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
+        self.follow_groups()  # the hooks cover the groups as they are now
         sharded = self._shard_group is not None
         fsdp2 = not sharded and distributed.holds_dtensors(self)
         if not sharded and not fsdp2:
@@ -412,21 +467,16 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self.follow_groups()  # ids are positions in the groups as they are now
+        self.settle_in_place(strict=False)  # a load into the previous one: taken or recorded
         meta = checkpoint.group_meta(self.seed, self._precision)
-        groups = [dict({k: v for k, v in group.items() if k != "params"}, **meta,
-                       params=[self._param_index[p] for p in group["params"]])
+        # torch's own AdamW flags too: DCP loads a checkpoint only into keys it holds.
+        groups = [{**checkpoint.torch_group_flags(),
+                   **{k: v for k, v in group.items() if k != "params"}, **meta,
+                   "params": [self._param_index[p] for p in group["params"]]}
                   for group in self.param_groups]
-        # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
-        filed = self._tier.committed_states() if self._tier is not None else {}
-        state = {}
-        for key, value in self.state.items():
-            if not isinstance(key, torch.Tensor):
-                state[key] = value  # not a parameter's: kept as is, as torch does
-            elif value and self._shard_group is None:
-                value = filed.get(key, value)  # a file-backed state: its committed tensors
-                state[self._param_index[key]] = distributed.saved_entry(key, value)
-        if self._shard_group is not None:  # a collective: the whole state, on every rank
-            state.update(zero.saved_state(self))
+        state, handed = self._saved_states()
+        self._handed = checkpoint.HandedOut(state, handed)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         if self._tuner is not None:  # where the precision tuner is, for a resume
             saved["adambridge"]["autotune"] = self._tuner.state_dict()
@@ -434,6 +484,30 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             result = hook(self, saved)
             saved = saved if result is None else result
         return saved
+
+    def _saved_states(self) -> tuple:
+        """(the saved 'state', (index, p, why its tensors are copies) per parameter entry)."""
+        # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
+        filed = self._tier.committed_states() if self._tier is not None else {}
+        state, handed = {}, []
+        for key, value in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                state[key] = value  # not a parameter's: kept as is, as torch does
+            elif value and self._shard_group is None and key in self._param_index:
+                index = self._param_index[key]  # (else taken out of param_groups: not saved)
+                if key in filed:
+                    value = filed[key]  # a file-backed state: its committed tensors
+                    copied = "keeps its state in the NVMe tier's files, read into copies"
+                else:
+                    copied = checkpoint.copied_because(key, value)
+                state[index] = distributed.saved_entry(key, value)
+                handed.append((index, key, copied))
+        if self._shard_group is not None:  # a collective: the whole state, on every rank
+            state.update(zero.saved_state(self))
+            by_index = {i: p for p, i in self._param_index.items()}
+            handed = [(i, by_index[i], "is sharded by shard_state, saved as gathered copies")
+                      for i in state if i in by_index]
+        return state, handed
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint (ours, or torch.optim.AdamW's), converting the precision.
@@ -445,21 +519,28 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        self.follow_groups()  # the checkpoint's ids name the groups' parameters as they are
         params = [p for group in self.param_groups for p in group["params"]]
         # A tuned run resumes in the precision its tuner had reached (autotune.py).
         precision, tuned = autotune.resumed(self, state_dict)
-        if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
-            new_state, new_groups, meta = zero.restore(self, state_dict)
-        else:
-            new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                               params, precision)
-        if self._tier is not None:
-            new_state = self._tier.adopt(new_state)  # file-placed states go into their files
+        try:
+            if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
+                new_state, new_groups, meta = zero.restore(self, state_dict)
+            else:
+                new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                                                                   params, precision)
+            if self._tier is not None:
+                new_state = self._tier.adopt(new_state)  # file-placed states go into files
+        except BaseException:
+            if self._handed is not None and self._handed.written():
+                self._in_place_refusal = checkpoint.REFUSED_AFTER_IN_PLACE
+            raise
+        self._handed, self._in_place_refusal = None, None
         self.release_plan()
         self.state.clear()
         self._layout.clear()
         self._written.clear()  # the next step compares each parameter with its master
-        for key, value in new_state.items():
+        for key, value in host_state.host_states(new_state).items():
             self.state[key] = value
             if isinstance(key, torch.Tensor):
                 self._layout[key] = (key.shape, key.dtype)
@@ -480,6 +561,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state = {k: v for k, v in self.__dict__.items()
                  if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
         state["_pipeline"] = None
+        state["_handed"] = None  # its version counter is this optimizer's, not a copy's
         # The plan holds raw pointers into this optimizer's tensors: a copy builds its own.
         state["_plan"], state["_written"] = None, self.written_records()
         return state
@@ -491,8 +573,19 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_shard_group", None)  # pickled before shard_state existed
         self.__dict__.setdefault("_plan", None)  # pickled before the step plan existed
         self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
+        self.__dict__.setdefault("_handed", None)  # pickled before in-place loads were seen
+        self.__dict__.setdefault("_in_place_refusal", None)
+        self.state = host_state.host_states(self.state)  # pickled with plain dicts, perhaps
+        if "_indexed" not in self.__dict__:  # pickled before param_groups were followed
+            self.__dict__["_indexed"] = [p for g in self.param_groups for p in g["params"]]
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag
             self.defaults.pop("differentiable", None)
+
+
+def _check_new_param(p: torch.Tensor, index: int) -> None:
+    """What add_param_group checks of each parameter it adds."""
+    check.parameter(p, index)
+    distributed.check_parameter(p, index)
 
 
 def _refuse_dtensors_with_offload(params: Iterable) -> None:

@@ -7,6 +7,7 @@ public methods rather than reaching into the optimizer (DESIGN.md section 8, the
 """
 from __future__ import annotations
 
+from operator import is_
 from typing import Optional, Sequence
 
 import torch
@@ -21,7 +22,9 @@ from .state import can_alias_master
 class ParamOwner:
     """Mixin of AdamBridge; needs ``param_groups``, ``state``, ``seed``, ``_precision``,
     ``stochastic_rounding``, ``_tier`` (the NVMe tier or None), ``_plan`` (the cached
-    step_plan.StepPlan or None) and the dicts ``_param_index``, ``_layout``, ``_written``."""
+    step_plan.StepPlan or None), the dicts ``_param_index``, ``_layout``, ``_written``, and
+    ``_handed`` (checkpoint.HandedOut of the last state_dict(), or None) with
+    ``_in_place_refusal`` (str or None)."""
 
     def release_plan(self) -> None:
         """Drop the cached step plan (step_plan.py), handing its write records back first:
@@ -41,6 +44,14 @@ class ParamOwner:
         # The parameter index seeds the stochastic-rounding hash; it is the state_dict order.
         flat = [p for group in self.param_groups for p in group["params"]]
         self._param_index = {p: i for i, p in enumerate(flat)}
+        self._indexed = flat  # what follow_groups compares the groups with
+
+    def groups_changed(self) -> bool:
+        """Whether param_groups[i]['params'] hold other tensors than the index was made of
+        (put in, taken out or replaced since add_param_group / load_state_dict)."""
+        flat = [p for group in self.param_groups for p in group["params"]]
+        indexed = getattr(self, "_indexed", None)
+        return indexed is None or len(flat) != len(indexed) or not all(map(is_, flat, indexed))
 
     def index(self, p: torch.Tensor) -> int:
         """p's index: its position in the state_dict and a key of its rounding bits."""
@@ -55,8 +66,34 @@ class ParamOwner:
         check.unchanged_layout(p, self.index(p), self._layout.get(p))
 
     def check_gradient(self, p: torch.Tensor) -> None:
-        """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout)."""
+        """Raise if p's gradient cannot be used (sparse, shape, dtype, a changed layout), or
+        if a checkpoint loaded in place cannot be stepped from (``settle_in_place``)."""
+        if self._handed is not None or self._in_place_refusal is not None:
+            self.settle_in_place()
         check.gradient(p, self.index(p), self._layout.get(p))
+
+    def settle_in_place(self, strict: bool = True) -> None:
+        """Take, or refuse until the next load_state_dict(), a checkpoint loaded in place
+        into the last state_dict() (``dcp.load`` with no ``load_state_dict``).
+
+        Taken when every entry handed out the state's own tensors and holds a current
+        AdamBridge state (checkpoint.HandedOut.verdict): the next step then compares each
+        parameter with its loaded master, as after load_state_dict(). Else, with ``strict``,
+        a one-line RuntimeError (state_dict() only records it: DCP's own loading calls it
+        between its in-place load and load_state_dict()).
+        """
+        handed = self._handed
+        if handed is not None and handed.written():
+            self._handed = None
+            refusal = handed.verdict(self.state)
+            if refusal is None:
+                self.release_plan()  # its write records are dropped below
+                for p in handed.params():
+                    self._written.pop(p, None)
+            else:
+                self._in_place_refusal = refusal
+        if strict and self._in_place_refusal is not None:
+            raise RuntimeError(self._in_place_refusal)
 
     def in_files(self, p: torch.Tensor) -> bool:
         """Whether p's state lives in the NVMe tier's files (``offload_dir``)."""

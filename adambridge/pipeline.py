@@ -260,6 +260,11 @@ class Pipeline(FactsMixin):
         # Before the first update of the step: a replaced parameter, or a torch flag set in
         # a group since (maximize=True, ...), fails with nothing done.
         opt = self.opt
+        try:
+            opt.follow_groups()  # a parameter put into param_groups[i]["params"]: refused
+        except (RuntimeError, ValueError, TypeError) as exc:
+            record.fail(exc)
+            return
         for i, group in enumerate(opt.param_groups):
             try:
                 check.group_flags(group, f"param_groups[{i}]")

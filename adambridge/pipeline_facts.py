@@ -133,7 +133,7 @@ class FactsMixin:
             record.skip = True  # GradScaler found inf/NaN: nothing of the step is applied
             return
         if grad_scale is not None:
-            inv, unused = step_facts.amp_inv_scale(grad_scale), torch.zeros(())
+            inv, unused = step_facts.amp_inv_scale(grad_scale), torch.zeros((), dtype=torch.float32)
             self._transform(jobs, lambda g: step_facts.unscale_([g], unused, inv))
         if opt.max_grad_norm is not None:
             total = self._total_norm(jobs, [], 2.0)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections import defaultdict
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -78,6 +79,40 @@ def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return host_empty(numel, dtype).zero_()
 
 
+HOST_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
+class HostState(dict):
+    """``optimizer.state[p]``: a plain dict of p's state, whose tensors stay in host memory.
+
+    NOTE: frameworks move "the optimizer state" to the training device after loading a
+    checkpoint: Lightning's ``_optimizer_to_device`` assigns ``state[key] = value.to(device)``
+    for every key but 'step' (DeepSpeed's and torchao's offload optimizers meet the same).
+    Here that would put the host state on the GPU, or, on the meta device, drop its values.
+    So a tensor on another device assigned to a key whose host tensor has its shape and
+    dtype is written into that host tensor (a meta tensor holds no values: nothing is
+    written), and the host tensor stays; anything else is stored as given.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        old = self.get(key)
+        if (key in HOST_KEYS and isinstance(value, torch.Tensor) and not value.is_cpu
+                and isinstance(old, torch.Tensor) and old.is_cpu
+                and value.shape == old.shape and value.dtype == old.dtype):
+            if value.device.type != "meta":
+                old.copy_(value)
+            return
+        super().__setitem__(key, value)
+
+
+def host_states(states: Any) -> "defaultdict":
+    """``optimizer.state`` with each parameter's plain dict a HostState."""
+    out: defaultdict = defaultdict(HostState)
+    for key, value in states.items():
+        out[key] = HostState(value) if type(value) is dict else value
+    return out
+
+
 def can_alias_master(p: torch.Tensor) -> bool:
     """An fp32, contiguous CPU parameter is its own master: no copy, no write-back."""
     return p.is_cpu and p.dtype == torch.float32 and p.is_contiguous()
@@ -97,15 +132,15 @@ def new_state(master_source: torch.Tensor, precision: str, *, alias: bool) -> di
         master.copy_(master_source.reshape(-1))
     m_dtype, v_dtype = MOMENT_DTYPES[precision]
     state = {
-        "step": torch.tensor(0.0),
+        "step": torch.tensor(0.0, dtype=torch.float32),
         "master": master,
         "exp_avg": host_zeros(numel, m_dtype),
         "exp_avg_sq": host_zeros(numel, v_dtype),
     }
     if precision == "fp8":
         blocks = codecs.fp8_num_blocks(numel)
-        state["exp_avg_scale"] = torch.zeros(blocks)
-        state["exp_avg_sq_scale"] = torch.zeros(blocks)
+        state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32)
+        state["exp_avg_sq_scale"] = torch.zeros(blocks, dtype=torch.float32)
     return state
 
 

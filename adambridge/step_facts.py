@@ -42,7 +42,7 @@ def total_norm(norms: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
     """torch's total norm of per-tensor norms (host tensors), as clip_grad_norm_ computes it."""
     norms = [n.to("cpu") for n in norms]
     if not norms:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
@@ -170,7 +170,7 @@ def sync_amp(opt: Any) -> bool:
         for p in _params_with_grad(opt):
             by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
         for (device, _), grads in by_device.items():
-            unused = torch.zeros((), device=device)
+            unused = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, unused,
                                                              inv_scale.to(device))
     return True

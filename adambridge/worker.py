@@ -364,7 +364,7 @@ def _commit_steps(jobs: list[Job]) -> None:
     for job in jobs:
         by_step.setdefault(job.step, []).append(job.state["step"])
     for step, counters in by_step.items():
-        value = torch.tensor(float(step))  # float32, as fill_(step) rounds an int
+        value = torch.tensor(float(step), dtype=torch.float32)  # as fill_(step) rounds an int
         copy_many(counters, [value] * len(counters))
 
 

@@ -314,7 +314,7 @@ def saved_state(opt: Any) -> dict:
             continue
         owners = [r for r in _owners_in_order(opt.index(p), g.world) if (p, r) in parts]
         whole = {k: torch.cat([parts[p, r][k] for r in owners]).cpu() for k, _ in keys}
-        whole["step"] = torch.tensor(step)
+        whole["step"] = torch.tensor(step, dtype=torch.float32)
         out[opt.index(p)] = checkpoint.saved_entry(p, whole)
     return out
 

@@ -359,7 +359,7 @@ def set_hyper(desc, hypers, index=None) -> None:
     import torch
     columns = desc.view(torch.float32)[:, _F32_HYPER]
     if not isinstance(hypers, (list, tuple)):
-        row = torch.tensor(_hyper_row(hypers))
+        row = torch.tensor(_hyper_row(hypers), dtype=torch.float32)
         for start in range(0, columns.shape[0], _ROWS_INLINE):
             columns[start:start + _ROWS_INLINE] = row
         return

@@ -368,12 +368,12 @@ def test_copying_or_pickling_a_tier_optimizer_is_refused_in_one_line(tmp_path, h
 def test_a_directory_that_cannot_be_locked_is_refused_not_called_in_use(tmp_path, monkeypatch,
                                                                         err):
     # Network mounts without flock: nothing would keep two nodes' ranks out of one directory.
-    from adambridge import nvme_io
+    fcntl = pytest.importorskip("fcntl", reason="flock is POSIX (Windows locks with msvcrt)")
 
     def no_flock(fd, operation):
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(nvme_io.fcntl, "flock", no_flock)
+    monkeypatch.setattr(fcntl, "flock", no_flock)
     with pytest.raises(ValueError, match=rf"^offload_dir '{tmp_path}' cannot be locked \(flock: "
                                          rf"{os.strerror(err)}\); use a directory on a local "
                                          rf"drive, one per optimizer$"):
@@ -385,7 +385,8 @@ def test_a_lock_that_does_not_reach_the_other_optimizer_fails_its_step_before_wr
     # Two nodes on a network filesystem that locks per machine both get the lock: the one
     # whose claim was overwritten must fail before it writes into the other's files.
     from adambridge import nvme_io
-    monkeypatch.setattr(nvme_io.fcntl, "flock", lambda fd, operation: None)
+    fcntl = pytest.importorskip("fcntl", reason="flock is POSIX (Windows locks with msvcrt)")
+    monkeypatch.setattr(fcntl, "flock", lambda fd, operation: None)
     first, second = plain_params(torch.float32), plain_params(torch.float32)
     first_opt = AdamBridge(first, backend="torch", **tier_args(tmp_path, 300))
     second_opt = AdamBridge(second, backend="torch", **tier_args(tmp_path, 300))

@@ -71,16 +71,17 @@ class RowPacker:
     """Packs one batch of pieces into a descriptor buffer (one per worker call)."""
 
     def __init__(self) -> None:
-        self._per_step: dict = {}  # (id(group), seed, step) -> (hyper bytes, step key)
+        # (id(group), seed, step) -> (hyper bytes, step key, the Hyper)
+        self._per_step: dict = {}
 
-    def _step_facts(self, group: dict, seed: int, step: int) -> tuple[bytes, int]:
+    def _step_facts(self, group: dict, seed: int, step: int) -> tuple[bytes, int, Hyper]:
         key = (id(group), seed, step)  # the group is alive for the whole batch: its id is stable
         facts = self._per_step.get(key)
         if facts is None:
             hyper = Hyper.for_group(group, step)
             facts = self._per_step[key] = (
                 _HYPER_ROW.pack(*(getattr(hyper, f) for f in loader.HYPER_FIELDS), 0.0),
-                step_key(seed, step))
+                step_key(seed, step), hyper)
         return facts
 
     def refresh(self, piece: Any) -> bool:
@@ -101,10 +102,10 @@ class RowPacker:
             _POINTER.pack_into(row, _OUT, out_pointer)
         grad_pointer, grad_code = loader.checked_column(job.grad, "grad", n)
         _POINTER.pack_into(row, _GRAD, grad_pointer)
-        hyper, key = self._step_facts(job.group, opt.seed, job.step)
+        hyper_row, key, piece.hyper = self._step_facts(job.group, opt.seed, job.step)
         # stream_key(seed, step, index), with the step's part computed once per batch
         _KEY_AND_DTYPE.pack_into(row, _KEY, mix32(key ^ (job.index & MASK32)), grad_code)
-        row[_HYPER:_HYPER + _HYPER_ROW.size] = hyper
+        row[_HYPER:_HYPER + _HYPER_ROW.size] = hyper_row
         return True
 
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _validation as check
-from . import cuda_policy, interception, interrupted, late_work
+from . import cuda_policy, interception, interrupted, late_work, step_facts
 from .stats import StepStats
 from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
@@ -115,6 +115,12 @@ class Pipeline(FactsMixin):
         self.warned_approximate = False
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.rolls_back = False  # a backward has raised: keep what rolls its updates back
+        # A hyperparameter was written after a step's first gradient: since then every step
+        # keeps what redoes its updates (watches), and one right after such a write is held.
+        self.watches_hyper = False
+        self.hyper_written_late = False
+        self.warned_rebased = False
+        self.warned_hyper_hold = False
         self.tuner = None
         # hook_grads=False: someone else calls on_grad (ddp_async.py's DDP comm hook).
         self._hooks_grads = hook_grads
@@ -242,9 +248,11 @@ class Pipeline(FactsMixin):
         with self._record_lock:
             if self._record is None:
                 self._refresh_groups()
-                held = not self._warm or self.uses_grad_scaler or self.clips_by_value
+                held = (not self._warm or self.uses_grad_scaler or self.clips_by_value
+                        or self.hyper_written_late)
                 record = StepRecord(held=held, clip_watch=self._clip_watch(),
-                                    keep_state=self.rolls_back)
+                                    keep_state=self.rolls_back or self.watches_hyper,
+                                    hyper_inputs=step_facts.hyper_inputs(self.opt.param_groups))
                 if self._late is not None:  # nothing may start: finish refuses the step
                     record.fail(RuntimeError("the update that timed out has not been "
                                              "accounted for"))
@@ -312,6 +320,11 @@ class Pipeline(FactsMixin):
             cached = self._pieces[id(p)] = (key, lane, opt.index(p), self.group_of[p], ranges,
                                             pieces)
         return cached
+
+    def kept_bytes(self) -> int:
+        """Bytes of the state copies hooked parameters' pieces keep for a redo (reused)."""
+        return sum(t.numel() * t.element_size() for cached in self._pieces.values()
+                   for piece in cached[5] if piece.kept for t in piece.kept if t is not None)
 
     def _enqueue(self, opt: Any, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
@@ -417,7 +430,13 @@ class Pipeline(FactsMixin):
         if self._open_tasks:
             self._backward_interrupted()
         # Without a step-wide fact to come, what lands now is final: keep updating it.
-        self.send_rest(record, hold=self.facts_pending())
+        pending = self.facts_pending()
+        if not pending:
+            # NOTE: the caller is in step() now, so nothing can change this step's gradients
+            # or hyperparameters any more: an update run from here on needs no copy of the
+            # state it started from (the tail of backward, the small parameters).
+            record.keep_state = False
+        self.send_rest(record, hold=pending)
         self.drain(record)
         if not record.failed:
             try:
@@ -425,6 +444,7 @@ class Pipeline(FactsMixin):
             except Exception as exc:  # noqa: BLE001 - e.g. a non-finite norm
                 record.fail(exc)
         self._flush(record)
+        self.note_hyper_writes(record)
         self._release_handed_over(record)
         late = self._left_running(record)
         waited = time.perf_counter() - entered

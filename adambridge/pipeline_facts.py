@@ -1,4 +1,5 @@
-"""The pipeline's step-wide facts: clipping and GradScaler calls routed here, applied at finish.
+"""The pipeline's step-wide facts: clipping and GradScaler calls routed here, applied at finish;
+hyperparameters written between backward and step(), redone at finish.
 
 Mixed into pipeline.Pipeline. Every entry point first *settles* the step: hold what lands
 from now on, send the gradients without hooks, wait until each lane has handled what was
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from . import step_facts
+from .functional import Hyper
 from .work_items import Job, StepRecord
 
 _log = logging.getLogger("adambridge")
@@ -141,35 +143,87 @@ class FactsMixin:
             record.grad_norm = float(total)
 
     def correct_on_lane(self, lane, record: StepRecord) -> None:
-        """Worker side: move each speculative update of this lane to its final gradient."""
-        filed = []
+        """Worker side: move each speculative update of this lane to its final gradient and
+        to its group's hyperparameters as they are now (a loop may write lr, betas, eps or
+        weight_decay between backward and step(), as llm.c's does: the step uses them)."""
+        filed, rebased = [], []
+        group = step = final = None  # the Hyper of the last job's group and step
         for job in record.jobs.values():
-            if (job.transport is not lane.transport or job.grad_before is None
-                    or torch.equal(job.grad_before, job.grad)):
+            # (every speculative update records its Hyper: without one, nothing to correct)
+            if job.transport is not lane.transport or not job.hypers:
+                continue
+            if job.group is not group or job.step != step:
+                group, step = job.group, job.step
+                final = Hyper.for_group(group, step)
+            if job.grad_before is None and _all_are(job.hypers, final):
+                continue  # the common case: nothing changed since the update
+            stale = [used is not final and used != final for used in job.hypers]
+            regrad = job.grad_before is not None and not torch.equal(job.grad_before, job.grad)
+            record.hyper_stale = record.hyper_stale or any(stale)
+            if not (regrad or any(stale)):
                 continue
             if job.streamed:
-                filed.append(job.index)
-            elif job.updated_ranges:
-                self._correct(job)
+                filed.append((job.index, regrad))
+            elif self._correct(job) if regrad else self._correct(job, stale):
+                rebased.append(job.index)
+        if rebased:
+            self._warn_rebased(rebased)
         if filed:
-            # NOTE: the NVMe tier committed these with the unclipped gradient and keeps no
-            # moments to redo them from; with clipping expected it holds them (issue 14).
-            raise RuntimeError(f"clipping first fired after the NVMe tier had committed "
-                               f"parameters {sorted(filed)} (offload_dir); pass max_grad_norm= or "
-                               f"clip from the first step after attach_hooks()")
+            raise RuntimeError(_filed_error(filed))
 
-    def _correct(self, job: Job) -> None:
-        for start, end in job.updated_ranges:
+    def _correct(self, job: Job, redo: Optional[list] = None) -> bool:
+        """Redo (or correct) each range of ``job`` flagged in ``redo`` (None: every range,
+        its gradient changed); True if a range whose hyperparameters changed had no
+        snapshot (``step_facts.rebase``)."""
+        rebased = False
+        for i, ((start, end), used) in enumerate(zip(job.updated_ranges, job.hypers)):
+            if redo is not None and not redo[i]:
+                continue
             out = None if job.out is None else job.out[start:end]
             item = job.opt.range_item(job.p, job.group, job.state, job.step,
                                       job.grad[start:end], out, start)
             saved = job.saved_state.get((start, end))
-            if saved is None:
-                self._warn_approximate(item.precision)
-                step_facts.correct(item, job.grad_before[start:end])
-            else:
+            before = job.grad[start:end] if job.grad_before is None else \
+                job.grad_before[start:end]
+            if saved is not None:
                 step_facts.redo(item, saved, self.lanes[job.p.device].backend)
+            elif used is not item.hyper and used != item.hyper:
+                step_facts.rebase(item, used, before)
+                rebased = True
+            else:
+                self._warn_approximate(item.precision)
+                step_facts.correct(item, before)
             job.transport.to_device(job.p, start, end)
+        return rebased
+
+    # -- hyperparameters written between a step's first gradient and its finish
+
+    def note_hyper_writes(self, record: StepRecord) -> None:
+        """After the step's updates: were its hyperparameters written after its first
+        gradient? Then hold the next step (a loop that writes them every step, like llm.c's,
+        gains nothing from updates made before they are known) and keep, from now on, the
+        state each speculative update needs to be redone exactly (the watch)."""
+        written = record.hyper_stale or not step_facts.same_inputs(
+            record.hyper_inputs, step_facts.hyper_inputs(self.opt.param_groups))
+        self.hyper_written_late = written
+        if written:
+            self.watches_hyper = True
+        if written and not self.warned_hyper_hold:
+            self.warned_hyper_hold = True
+            _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was "
+                         "written between backward and step(); the step uses the new values, "
+                         "as torch does, and from now on a step that follows such a write holds "
+                         "its updates until step() (no overlap with backward): write them "
+                         "before the backward to keep the overlap")
+
+    def _warn_rebased(self, indices: list) -> None:
+        self.watches_hyper = True  # (finish sees it too; the state is kept from the next step)
+        if not self.warned_rebased:
+            self.warned_rebased = True
+            _log.warning("adambridge: hyperparameters were written after parameters %s had "
+                         "been updated from this step's gradients, and no copy of their state "
+                         "was kept; those updates were corrected approximately. From now on "
+                         "that copy is kept, so later corrections are exact", sorted(indices))
 
     # -- helpers
 
@@ -201,3 +255,27 @@ class FactsMixin:
             grad.mul_(coef.to(grad.device))
         if float(coef) < 1.0:  # at 1.0 torch's multiply is the identity: nothing changes
             self._transform(jobs, step_facts.scale_by(coef))
+
+
+def _all_are(hypers: list, final: Hyper) -> bool:
+    # (Hyper.for_group is cached: the same inputs give the same object, so ``is`` decides
+    # the common case; an evicted entry falls back to comparing the values)
+    for used in hypers:
+        if used is not final and used != final:
+            return False
+    return True
+
+
+def _filed_error(filed: list) -> str:
+    # NOTE: the NVMe tier commits with the gradient and hyperparameters it had and keeps no
+    # state in RAM to redo them from; with clipping expected (or after a hyperparameter
+    # written after backward) it holds its parameters to the step's end (issue 14).
+    regrad = sorted(index for index, clipped in filed if clipped)
+    if regrad:
+        return (f"clipping first fired after the NVMe tier had committed parameters "
+                f"{regrad} (offload_dir); pass max_grad_norm= or clip from the first step "
+                f"after attach_hooks()")
+    return (f"a hyperparameter (lr, betas, eps or weight_decay) was written between backward "
+            f"and step() after the NVMe tier had committed parameters "
+            f"{sorted(index for index, _ in filed)} with the old value (offload_dir); write "
+            f"it before the backward, or from the first step after attach_hooks()")

@@ -24,7 +24,7 @@ class StepRecord:
     """
 
     def __init__(self, held: bool, clip_watch: Optional[float] = None,
-                 keep_state: bool = False) -> None:
+                 keep_state: bool = False, hyper_inputs: tuple = ()) -> None:
         self.lock = threading.Lock()
         self.held = held            # update nothing before finish (first or GradScaler step)
         self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
@@ -32,6 +32,10 @@ class StepRecord:
         # Keep the master and moments from before each update made before the step's end
         # (step_facts.snapshot): to redo it if clipping fires, or to roll it back.
         self.keep_state = keep_state or clip_watch is not None
+        # What each group's hyperparameters were at the step's first gradient
+        # (step_facts.hyper_inputs): finish compares them with those it updates with.
+        self.hyper_inputs = hyper_inputs
+        self.hyper_stale = False    # a speculative update used hyperparameters since written
         self.landed_sq = 0.0        # squared 2-norm of the gradients watched so far
         self.began = time.perf_counter()
         self.jobs: dict[torch.Tensor, "Job"] = {}
@@ -76,6 +80,9 @@ class Job:
     transport: Any = None
     # [start, end) ranges updated before the step's facts were known (speculatively)
     updated_ranges: list = field(default_factory=list)
+    # the Hyper each of those updates used (of each streamed piece, for a streamed job):
+    # finish redoes those whose group says otherwise by then (written after backward)
+    hypers: list = field(default_factory=list)
     grad_before: Optional[torch.Tensor] = None  # what those updates used, once a fact changed it
     saved_state: dict = field(default_factory=dict)  # range -> master, moments before it
     streamed: bool = False  # committed by the NVMe tier before the step's facts were known
@@ -92,6 +99,7 @@ class Job:
         self.grad, self.out, self.source = grad, out, source
         self.pieces_left, self.transport = pieces, transport
         self.updated_ranges.clear()
+        self.hypers.clear()
         self.grad_before = None
         self.saved_state.clear()
         self.streamed = False
@@ -101,8 +109,9 @@ class Job:
         must not keep the host gradients alive, nor the optimizer that owns the pipeline)."""
         self.opt = self.grad = self.out = self.source = self.state = None
         self.transport = self.grad_before = None
-        if self.updated_ranges:  # (empty unless this step updated speculatively)
+        if self.updated_ranges or self.hypers:  # (empty unless this step speculated)
             self.updated_ranges.clear()
+            self.hypers.clear()
         if self.saved_state:
             self.saved_state.clear()
 
@@ -127,6 +136,8 @@ class Piece:
     record: Optional[StepRecord]
     span: tuple = ()  # (start, end), made once: a speculative update records it, allocating nothing
     row: Any = None   # piece_rows.PieceRow: its packed descriptor, kept between steps
+    hyper: Any = None  # the Hyper of its last update (set by whoever built that update)
+    kept: Any = None   # the buffers step_facts.snapshot copies its state into, reused
 
     def __post_init__(self) -> None:
         self.span = (self.start, self.end)

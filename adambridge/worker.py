@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import piece_rows, rank_pool, step_facts, topology
-from .functional import adamw_update
+from . import state as host_state
+from .functional import Hyper, adamw_update
 from .slots import copy_many
 from .work_items import Call, Job, Piece, StepRecord, WriteBack
 
@@ -223,8 +224,11 @@ class Lane:
             if speculative:
                 for piece in batch:
                     piece.job.updated_ranges.append(piece.span)
+                    piece.job.hypers.append(piece.hyper)
             for piece in streamed:
                 piece.job.streamed = speculative
+                if speculative:
+                    piece.job.hypers.append(piece.hyper)
             self._done(record, batch)
             self._done(record, streamed)
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
@@ -236,14 +240,16 @@ class Lane:
         """One adamw_update over the batch; returns the seconds the update itself took."""
         if not batch:
             return 0.0
-        if self.backend == "native" and not keep_state:
+        if self.backend == "native":
             desc = piece_rows.pack(batch, self._item)  # kept rows, refreshed (issue 13)
+            if keep_state:  # (after pack: a first update has made its state there)
+                _keep_state(batch, [_state_views(piece) for piece in batch])
             began = time.perf_counter()
             piece_rows.run(desc)
             return time.perf_counter() - began
         items = [self._item(piece) for piece in batch]
         if keep_state:
-            _keep_state(batch, items)
+            _keep_state(batch, [step_facts.state_of(item) for item in items])
         began = time.perf_counter()
         adamw_update(items, self.backend)
         return time.perf_counter() - began
@@ -260,7 +266,16 @@ class Lane:
             # the step's end (issue 14).
             batch, filed = tier.split(batch)
             self._held.extend(filed)
-        return tier.route(batch, self.backend, record)
+        if not speculative:
+            return tier.route(batch, self.backend, record)
+        filed = [piece for piece in batch if tier.holds(piece.job.p)]
+        for piece in filed:  # what the tier's pages will read (finish compares it)
+            piece.hyper = Hyper.for_group(piece.job.group, piece.job.step)
+        rest, streamed = tier.route(batch, self.backend, record)
+        for piece in streamed:
+            if Hyper.for_group(piece.job.group, piece.job.step) != piece.hyper:
+                piece.hyper = None  # written while its pages streamed: unknown, never final
+        return rest, streamed
 
     def _item(self, piece: Piece) -> Any:
         job = piece.job
@@ -270,8 +285,10 @@ class Lane:
             job.state = job.opt.ensure_state(job.p, job.source)
             job.source = None
         out = None if job.out is None else job.out[piece.start:piece.end]
-        return job.opt.range_item(job.p, job.group, job.state, job.step,
+        item = job.opt.range_item(job.p, job.group, job.state, job.step,
                                   job.grad[piece.start:piece.end], out, piece.start)
+        piece.hyper = item.hyper  # what this update reads of the group (finish compares it)
+        return item
 
     def _done(self, record: StepRecord, pieces: list[Piece]) -> None:
         """Send back each copy whose pieces are all updated; commit each finished job's step
@@ -368,10 +385,19 @@ def _commit_steps(jobs: list[Job]) -> None:
         copy_many(counters, [value] * len(counters))
 
 
-def _keep_state(batch: list[Piece], items: list) -> None:
-    # Clipping may fire after this speculative update: step_facts.redo starts from this state.
-    for piece, item in zip(batch, items):
-        piece.job.saved_state[piece.span] = step_facts.snapshot(item)
+def _keep_state(batch: list[Piece], sources: list) -> None:
+    # Clipping may fire, or a hyperparameter be written, after this speculative update:
+    # step_facts.redo starts from this state. Each piece copies into the buffers it kept
+    # from its last snapshot (one multi-tensor copy for the batch, no allocation).
+    kept = step_facts.snapshot_many(sources, [piece.kept for piece in batch])
+    for piece, saved in zip(batch, kept):
+        piece.kept = piece.job.saved_state[piece.span] = saved
+
+
+def _state_views(piece: Piece) -> tuple:
+    """The master and moments the update of ``piece`` writes, in snapshot order."""
+    views = host_state.range_views(piece.job.state, piece.start, piece.end)
+    return tuple(views[key] for key in step_facts.SAVED_KEYS)
 
 
 def _serve(lane_ref: "weakref.ref[Lane]", units: queue.SimpleQueue, cpus: tuple[int, ...]) -> None:

@@ -8,6 +8,7 @@ path is checked against step() bit for bit on the same model.
   python benchmarks/bench_step.py --preset cpu            # 4 blocks, width 256
   python benchmarks/bench_step.py --preset gpu --json out.json   # 8 blocks, width 1024
   python benchmarks/bench_step.py --preset gpu --precisions bf16 --sweep   # + crossover
+  python benchmarks/bench_step.py --preset cpu --precisions bf16 --hyper-costs  # lr writes
 
 "sync" is step() on the device's parameters: one pinned staging buffer each way and one
 stream sync per step (sync_transfer.py). The sweep grows tokens per step (batch x 1024) and
@@ -112,23 +113,44 @@ def build(name: str, cfg: dict, device: torch.device, init: dict) -> Variant:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return Variant(name, model, step, opt)
-    _, mode, precision, *clip = name.split()
-    max_grad_norm = float(clip[0].split("=")[1]) if clip else None
+    _, mode, precision, *extra = name.split()
+    options = dict(option.split("=") for option in extra)
+    max_grad_norm = float(options["clip"]) if "clip" in options else None
     model.to(device, torch.bfloat16 if on_gpu else torch.float32)
     opt = AdamBridge(model.parameters(), lr=1e-4, precision=precision,
                      max_grad_norm=max_grad_norm)
+    write_lr = _lr_writer(opt, options.get("lr"))
     if mode == "async":
         opt.attach_hooks(model)
 
         def step(tokens: torch.Tensor) -> None:
+            write_lr("before")
             _loss(model, tokens).backward()
+            write_lr("after")
             opt.step_sync()
     else:
         def step(tokens: torch.Tensor) -> None:
+            write_lr("before")
             _loss(model, tokens).backward()
+            write_lr("after")
             opt.step()
             opt.zero_grad(set_to_none=True)
     return Variant(name, model, step, opt)
+
+
+def _lr_writer(opt: AdamBridge, when: Optional[str]) -> Callable[[str], None]:
+    """write(at) sets a new lr in every group where ``when`` says: 'before' the backward of
+    each step (a scheduler stepped after step()), 'after' it (llm.c's loop), 'once' after the
+    first backward only (from then on async mode keeps what redoes an update: the watch)."""
+    steps = [0]
+
+    def write(at: str) -> None:
+        if when == at or (when == "once" and at == "after" and steps[0] == 0):
+            for group in opt.param_groups:
+                group["lr"] = 1e-4 * (1.0 + 0.01 * (steps[0] % 7 + 1))
+        if at == "after":
+            steps[0] += 1
+    return write
 
 
 def _sync(device: torch.device) -> None:
@@ -323,9 +345,10 @@ def table(result: dict) -> str:
     for name, r in rows.items():
         vs_base = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
         sync = rows.get(name.replace("async", "sync")) if "async" in name else None
-        unclipped = rows.get(name.split(" clip=")[0]) if " clip=" in name else None
-        if unclipped:
-            name = f"{name} ({r['median_ms'] / unclipped['median_ms']:.2f}x unclipped)"
+        plain = rows.get(" ".join(name.split()[:3])) if len(name.split()) > 3 else None
+        if plain:
+            without = "unclipped" if " clip=" in name else "no lr write"
+            name = f"{name} ({r['median_ms'] / plain['median_ms']:.2f}x {without})"
         vs_sync = f"{r['median_ms'] / sync['median_ms']:.2f}x" if sync else "-"
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
                      f"{fmt(r['host_update_ms'], '.1f')} | {fmt(r['sync_wait_ms'], '.1f')} | "
@@ -350,6 +373,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--clip-costs", action="store_true",
                         help="time max_grad_norm off, on but never firing (1e9) and firing "
                              "every step (1e-3), sync and async, first of --precisions")
+    parser.add_argument("--hyper-costs", action="store_true",
+                        help="time async mode with lr written before each backward, after the "
+                             "first one only (the watch), and after each (llm.c's loop), "
+                             "first of --precisions")
     args = parser.parse_args(argv)
     if args.preset == "gpu" and not torch.cuda.is_available():
         parser.error("the gpu preset needs a CUDA device")
@@ -359,6 +386,11 @@ def main(argv: Optional[list] = None) -> int:
         if args.clip_costs:
             names += [f"adambridge {mode} {precision} clip={limit}"
                       for limit in ("1e9", "1e-3") for mode in ("sync", "async")]
+        if args.hyper_costs:
+            names += [f"adambridge async {precision} lr={when}"
+                      for when in ("before", "once", "after")]
+            names.append(f"adambridge sync {precision} lr=after")
+        if args.clip_costs or args.hyper_costs:
             break
     result = run(args.preset, names, args.max_seconds)
     print(table(result), flush=True)

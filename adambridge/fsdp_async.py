@@ -83,6 +83,7 @@ class ShardUpdater(LandedWorker):
     # ------------------------------------------------------------------ in backward
 
     def on_grad(self, p: torch.Tensor) -> None:
+        self._note_hyper()
         if self._held or not self._first_of_step(p):
             return
         try:
@@ -112,11 +113,12 @@ class ShardUpdater(LandedWorker):
         if getattr(self.opt, "grad_scale", None) is not None or \
                 getattr(self.opt, "found_inf", None) is not None:
             raise self._refusal("GradScaler", held, len(done))
+        self._check_hyper_writes(len(done))
         stats = StepStats()
         self.opt.last_step_stats = stats
         distributed.sync_step(self.opt, stats, began, skip=done)
         stats.num_params += len(done)
-        self._held = False
+        self._held = self._holds_always
         self._release_grads()
 
     def _refusal(self, what: str, held: bool, updated: int) -> RuntimeError:

@@ -9,14 +9,16 @@ facts (clipping, GradScaler) that neither mode can apply once pieces were update
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
-from . import interception
+from . import interception, step_facts
 
+_log = logging.getLogger("adambridge")
 _STOP = object()
 _WAIT_S = 0.1
 
@@ -31,6 +33,8 @@ class LandedWorker(ABC):
         """Start the thread ``adambridge-<name>``; ``label`` names the mode in errors."""
         self._label = label
         self._held = True           # the first step: hooks record nothing, step() updates
+        self._holds_always = False  # a hyperparameter was written after backward once
+        self._hyper_read = None     # step_facts.hyper_inputs at this step's first hook
         self._seen: set = set()     # parameters whose reduced gradient arrived in this step
         self._done: set = set()     # ... and were updated by the worker
         self._errors: list = []
@@ -41,6 +45,11 @@ class LandedWorker(ABC):
                                         name=f"adambridge-{name}", daemon=True)
         self._thread.start()
         interception.register(self)
+
+    def _note_hyper(self) -> None:
+        """At each hook: keep what the step's updates read of the groups (the first hook's)."""
+        if self._hyper_read is None:
+            self._hyper_read = step_facts.hyper_inputs(self.opt.param_groups)
 
     def _first_of_step(self, p: Any) -> bool:
         """Record p's gradient in this step; False (and an error kept) on a second one."""
@@ -99,6 +108,36 @@ class LandedWorker(ABC):
         taken = frozenset(self._done), list(self._errors), self._held
         self._seen, self._done, self._errors = set(), set(), []
         return taken
+
+    def _check_hyper_writes(self, updated: int) -> None:
+        """At step(): were lr, betas, eps or weight_decay written after this step's first
+        hook? Its updates read them then, and torch's step() reads them now.
+
+        No copy of the state is kept to redo an update (a third of the optimizer's memory
+        again), so from the first such write every step is held: the hooks update nothing
+        and step() updates with what it sees, as sync does. Where updates were already made
+        with the old values (a first write after held steps), that step is off by their
+        difference, and the warning says so.
+        """
+        read, self._hyper_read = self._hyper_read, None
+        if read is None or self._holds_always or step_facts.same_inputs(
+                read, step_facts.hyper_inputs(self.opt.param_groups)):
+            return
+        self._holds_always = True
+        if updated:
+            _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was "
+                         "written between backward and step() with attach_hooks() on %s: "
+                         "%d parameters of this step had been updated with the values read "
+                         "during backward. From now on every step is held until step() (no "
+                         "overlap with backward) and uses the values step() sees, as torch "
+                         "does; write them before the backward to keep the overlap",
+                         self._label, updated)
+        else:
+            _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was "
+                         "written between backward and step() with attach_hooks() on %s; "
+                         "from now on every step is held until step() (no overlap with "
+                         "backward), so each uses the values step() sees, as torch does: "
+                         "write them before the backward to keep the overlap", self._label)
 
     def _release_grads(self) -> None:
         """After a finished step: every gradient it applied leaves p.grad (release_grads)."""

@@ -90,6 +90,7 @@ class RangeUpdater(LandedWorker):
 
     def on_grad(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
         """DDP's comm hook: ``reduced`` is p's all-reduced gradient (a bucket view)."""
+        self._note_hyper()
         if self._held or p.grad is None:
             # No p.grad (the comm hook passes none such): unused by this rank's backward.
             # DDP writes it after the hooks if another rank used it, and step() updates it
@@ -136,11 +137,12 @@ class RangeUpdater(LandedWorker):
                            getattr(opt, "found_inf", None) is not None):
             errors.append(self._refusal("GradScaler", held, self._count_updated(done)))
         self._agree_on_failure(errors, self._count_updated(done))
+        self._check_hyper_writes(self._count_updated(done))
         stats = StepStats()
         opt.last_step_stats = stats
         zero.sync_step(opt, stats, began, skip=done)
         stats.num_params += self._count_updated(done)
-        self._held = False
+        self._held = self._holds_always
         self._release_grads()
 
     def _count_updated(self, done: Any) -> int:

@@ -153,3 +153,56 @@ def fsdp2_fp8_uneven(rank: int, world: int, out_dir: str) -> dict:
                 opt.state[p][key].clone() for p in params for key in sorted(opt.state[p])]
     result["offsets"] = [shard_offset(p, i) for i, p in enumerate(params)]
     return result
+
+
+def _hyper_loop(model, opt, rank: int, mode: str, write_from) -> list:
+    """STEPS steps writing lr and weight_decay each step: after the backward from step
+    ``write_from`` on (llm.c writes lr there), before it where ``write_from`` is None.
+    Returns how many parameters the hooks had updated when each backward ended (async)."""
+    from _distributed_workers import _updated_in_backward
+
+    def write(step: int) -> None:
+        for group in opt.param_groups:
+            group["lr"] = LR * (1.0 + 0.1 * (step + 1))
+            group["weight_decay"] = WD * (1.0 + 0.2 * (step + 1))
+
+    in_backward = []
+    for step in range(STEPS):
+        late = write_from is not None and step >= write_from
+        if not late:
+            write(step)
+        model(batch(rank, step)).square().mean().backward()
+        if mode == "async":
+            in_backward.append(_updated_in_backward(opt))
+        if late:
+            write(step)
+        opt.step()
+        opt.zero_grad()
+    return in_backward
+
+
+def hyper_after_backward(rank: int, world: int, out_dir: str) -> dict:
+    """FSDP2 and shard_state async with lr and weight_decay written after backward (from
+    the first step, from the third) and before it, against the synchronous loop."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    records = _Records()
+    logging.getLogger("adambridge").addHandler(records)
+    result = {}
+    for kind in ("fsdp2", "shard_state"):
+        for write_from in (None, 0, 2):
+            for mode in ("sync", "async"):
+                if kind == "fsdp2":
+                    model = shard(make_model())
+                    opt = _ours(model, precision="bf16", seed=7)
+                else:
+                    model = DDP(make_model())
+                    opt = _ours(model, shard_state=True)
+                if mode == "async":
+                    opt.attach_hooks(model)
+                del records.messages[:]
+                taken = _hyper_loop(model, opt, rank, mode, write_from)
+                result[kind, write_from, mode] = _weights(model)
+                result[kind, write_from, mode, "in backward"] = taken
+                result[kind, write_from, mode, "warnings"] = list(records.messages)
+                opt.detach_hooks()
+    return result

@@ -8,6 +8,7 @@ waiting in a collective fails the test instead of hanging it.
 from __future__ import annotations
 
 import gc
+import re
 import time
 import warnings
 import weakref
@@ -190,3 +191,52 @@ def test_fsdp2_fp8_shard_starting_off_a_block_steps_alike_on_both_backends(tmp_p
         for mode in ("sync", "async"):
             _identical(result["native", mode], result["torch", mode])
         _identical(result["native", "async"], result["native", "sync"])
+
+
+# --------------------------------------------------------------------------- hyperparameters
+
+
+@pytest.fixture(scope="module")
+def hyper_after_backward(tmp_path_factory):
+    return _launch("hyper_after_backward", tmp_path_factory)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "shard_state"])
+def test_distributed_async_lr_written_before_backward_overlaps_and_equals_sync(
+        hyper_after_backward, kind):
+    for result in hyper_after_backward:
+        _identical(result[kind, None, "async"], result[kind, None, "sync"])
+        assert result[kind, None, "async", "warnings"] == []
+        # the first step after attach_hooks is held; every later one updated in backward
+        taken = result[kind, None, "async", "in backward"]
+        assert taken[0] == 0 and all(n > 0 for n in taken[1:])
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "shard_state"])
+def test_distributed_async_lr_written_after_every_backward_equals_sync_bit_for_bit(
+        hyper_after_backward, kind):
+    # llm.c's loop: the write after the first (held) backward is seen, and every later step
+    # is held too, so each step uses the values step() sees, as torch's does.
+    for result in hyper_after_backward:
+        _identical(result[kind, 0, "async"], result[kind, 0, "sync"])
+        assert result[kind, 0, "async", "in backward"] == [0] * 5
+        [warning] = result[kind, 0, "async", "warnings"]
+        assert "written between backward and step()" in warning
+        assert "from now on every step is held until step()" in warning
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "shard_state"])
+def test_distributed_async_first_late_write_warns_of_the_updates_it_made_then_holds(
+        hyper_after_backward, kind):
+    for result in hyper_after_backward:
+        taken = result[kind, 2, "async", "in backward"]
+        assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0 and taken[3:] == [0, 0]
+        [warning] = result[kind, 2, "async", "warnings"]
+        # (shard_state's count is of the parameters this rank holds a range of)
+        updated = re.search(r"(\d+) parameters of this step had been updated with the values "
+                            r"read during backward", warning)
+        assert updated and 0 < int(updated.group(1)) <= taken[2]
+        # that one step used the old lr and weight_decay for what it had updated: close to
+        # sync, not equal, and the warning said so
+        for ours, theirs in zip(result[kind, 2, "async"], result[kind, 2, "sync"], strict=True):
+            assert (ours - theirs).abs().max() < 1e-2

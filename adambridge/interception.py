@@ -14,6 +14,12 @@ at least one pipeline is attached those entry points are wrapped:
   ``_clip_grads_with_norm_`` helper, which is wrapped too, and is answered from there.
 - ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
   pipeline (unscale and inf check of the host gradients).
+- accelerate (from 1.16) no longer calls ``clip_grad_norm_``: its
+  ``Accelerator._clip_grad_norm_dtensor_aware`` keeps the parameters whose ``p.grad`` is set,
+  takes ``get_total_norm`` of those and clips them with ``clip_grads_with_norm_``, so the
+  released gradients would be left out of the norm and of the clip. Where accelerate is
+  imported, that method is wrapped too, and parameters a pipeline owns are answered as
+  ``clip_grad_norm_`` is.
 
 The wrappers are installed by the first attach and removed by the last detach.
 """
@@ -144,6 +150,33 @@ def _unscale_grads_(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
     return pipeline.unscale_grads(inv_scale, found_inf, allow_fp16)
 
 
+def _accelerate_clip(accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2,
+                     foreach: Optional[bool] = None) -> torch.Tensor:
+    params = _params(parameters)
+    if not _owners(params):
+        return _originals["accelerate"](accelerator, params, max_norm, norm_type=norm_type,
+                                        foreach=foreach)
+    return clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
+
+
+_ACCELERATE_CLIP = "_clip_grad_norm_dtensor_aware"  # the method accelerate's clip_grad_norm_ ends in
+
+
+def _accelerator_class() -> Any:
+    """accelerate's Accelerator where accelerate is imported and filters on p.grad, else None
+    (not imported here: a framework that uses it has imported it before attach_hooks)."""
+    module = sys.modules.get("accelerate.accelerator")
+    cls = getattr(module, "Accelerator", None)
+    return cls if cls is not None and _ACCELERATE_CLIP in vars(cls) else None
+
+
+def _install_accelerate() -> None:
+    cls = _accelerator_class()
+    if cls is not None and "accelerate" not in _originals:
+        _originals["accelerate"] = vars(cls)[_ACCELERATE_CLIP]
+        setattr(cls, _ACCELERATE_CLIP, _accelerate_clip)
+
+
 _WRAPPERS = {
     "clip_grad_norm_": clip_grad_norm_,
     "clip_grads_with_norm_": clip_grads_with_norm_,
@@ -166,6 +199,7 @@ def _install() -> None:
     from torch.amp.grad_scaler import GradScaler
     _originals["_unscale_grads_"] = GradScaler._unscale_grads_
     GradScaler._unscale_grads_ = _unscale_grads_
+    _install_accelerate()
 
 
 def _uninstall() -> None:
@@ -179,6 +213,9 @@ def _uninstall() -> None:
     from torch.amp.grad_scaler import GradScaler
     if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
         GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
+    cls = _accelerator_class()
+    if cls is not None and vars(cls)[_ACCELERATE_CLIP] is _accelerate_clip:
+        setattr(cls, _ACCELERATE_CLIP, _originals["accelerate"])
     _originals.clear()
 
 
@@ -186,6 +223,7 @@ def register(pipeline: Any) -> None:
     with _lock:
         if not _originals:
             _install()
+        _install_accelerate()  # accelerate may have been imported after the first attach
         _pipelines.add(pipeline)
         _generation[0] += 1
 

@@ -528,7 +528,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 new_state, new_groups, meta = zero.restore(self, state_dict)
             else:
                 new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                                   params, precision)
+                                                                   params, precision, self._handed)
             if self._tier is not None:
                 new_state = self._tier.adopt(new_state)  # file-placed states go into files
         except BaseException:

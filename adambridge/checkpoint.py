@@ -370,6 +370,19 @@ def restore(state_dict: Any, groups: list, params: list, precision: str,
     return new_state, new_groups, meta
 
 
+def written_entry(index: int, entry: Any, p: torch.Tensor, precision: str) -> dict:
+    """The state that a dict written into ``opt.state[p]`` from outside describes: a saved
+    entry (as ZeroRedundancyOptimizer.load_state_dict writes them) or a live state, checked
+    as a loaded entry is, in ``precision``. {} is no state yet."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"Invalid opt.state[p] of parameter {index}: {type(entry).__name__} "
+                         f"(expected a dict)")
+    entry = {k: v for k, v in entry.items() if not (isinstance(v, dict) and not v)}
+    if not entry:
+        return {}
+    return _rebuild_entry(checked_entry(index, entry, p, None), p, precision)
+
+
 # --------------------------------------------------------------------------- in-place loads
 
 NOT_OURS_STEP = -1  # written into ab_step where a load found no AdamBridge entries (dcp.py)

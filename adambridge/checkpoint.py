@@ -20,6 +20,7 @@ it can be taken as it is (see docs/checkpoints.md).
 from __future__ import annotations
 
 import math
+import weakref
 from copy import deepcopy
 from functools import lru_cache
 from typing import Any, Optional
@@ -226,9 +227,16 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     moments = _checked_moments(index, entry, numel, "")  # torch's form, checked always
     native = {k: entry[OURS + k] for k in NATIVE_KEYS if OURS + k in entry}
     _check_native_pairs(index, native)
-    if fresh and len(native) >= 2 and saved_precision is not None and \
-            _moment_dtypes_ok(native) == saved_precision:
-        moments = _checked_moments(index, native, numel, OURS)
+    native_precision = _moment_dtypes_ok(native) if len(native) >= 2 else None
+    if fresh and native_precision is not None and \
+            native_precision == (saved_precision or native_precision):
+        stored = _checked_moments(index, native, numel, OURS)
+        # NOTE: torch's load casts every float tensor to the parameter's dtype and DCP
+        # converts dtypes on load, so stored moments of one precision can arrive in another's
+        # dtypes (fp8 codes as bf16 values). The stored bits are used only where they decode
+        # to exactly the torch form saved beside them, as every AdamBridge save writes them.
+        if _decodes_to(stored, entry):
+            moments = stored
     master = None
     if "master" in entry:
         value = _tensor(index, entry, "master", numel)
@@ -238,6 +246,23 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
         if fresh:  # else torch outdated it: the parameter holds the weights
             master = _checked_master(index, value)
     return {"step": step, "moments": moments, "master": master}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two float tensors hold the same values bit for bit (NaN payloads, -0.0)."""
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a, b = a.detach().reshape(-1).to("cpu"), b.detach().reshape(-1).to("cpu")
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def _decodes_to(stored: dict, entry: dict) -> bool:
+    """Whether stored moments decode to the entry's exp_avg / exp_avg_sq (in their dtype)."""
+    flat = {k: v.detach().reshape(-1).to("cpu") for k, v in stored.items()}
+    m, v = host_state.decode_moments(flat)
+    return (_same_bits(m.to(entry["exp_avg"].dtype), entry["exp_avg"])
+            and _same_bits(v.to(entry["exp_avg_sq"].dtype), entry["exp_avg_sq"]))
 
 
 def _check_native_pairs(index: int, native: dict) -> None:
@@ -294,11 +319,14 @@ def _rebuild_entry(checked: dict, p: torch.Tensor, precision: str) -> dict:
     return restored
 
 
-def restore(state_dict: Any, groups: list, params: list, precision: str) -> tuple:
+def restore(state_dict: Any, groups: list, params: list, precision: str,
+            handed: Optional["HandedOut"] = None) -> tuple:
     """(state, param_groups, meta) a checkpoint describes for ``params``, or a ValueError.
 
     ``meta`` holds the checkpoint's seed (if it has one). Entries for ids that no group lists
-    are kept as they are, as torch does.
+    are kept as they are, as torch does. ``handed``: what the last state_dict() handed out,
+    whose stored moments an entry made from that same dict may have lost on the way
+    (HandedOut.stored_of).
     """
     _check_layout(state_dict)
     saved_groups = deepcopy(state_dict["param_groups"])
@@ -312,6 +340,13 @@ def restore(state_dict: Any, groups: list, params: list, precision: str) -> tupl
     checked = {}
     for saved_id, entry in state_dict["state"].items():
         if saved_id in id_to_param and entry != {}:  # {}: a parameter without state yet
+            if isinstance(entry, dict):
+                # NOTE: set_optimizer_state_dict of a flattened dict writes {} for each key of
+                # opt.state[p] the dict lacks (our master, from a torch.optim.AdamW checkpoint
+                # through adambridge.dcp.LoadPlanner): such a key is absent.
+                entry = {k: v for k, v in entry.items() if not (isinstance(v, dict) and not v)}
+                if handed is not None:
+                    entry = handed.stored_of(id_to_param[saved_id], entry)
             checked[saved_id] = checked_entry(saved_ids.index(saved_id), entry,
                                               id_to_param[saved_id], meta.get("precision"))
     new_state = {}
@@ -333,6 +368,19 @@ def restore(state_dict: Any, groups: list, params: list, precision: str) -> tupl
             saved["param_names"] = group["param_names"]
         new_groups.append(saved)
     return new_state, new_groups, meta
+
+
+def written_entry(index: int, entry: Any, p: torch.Tensor, precision: str) -> dict:
+    """The state that a dict written into ``opt.state[p]`` from outside describes: a saved
+    entry (as ZeroRedundancyOptimizer.load_state_dict writes them) or a live state, checked
+    as a loaded entry is, in ``precision``. {} is no state yet."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"Invalid opt.state[p] of parameter {index}: {type(entry).__name__} "
+                         f"(expected a dict)")
+    entry = {k: v for k, v in entry.items() if not (isinstance(v, dict) and not v)}
+    if not entry:
+        return {}
+    return _rebuild_entry(checked_entry(index, entry, p, None), p, precision)
 
 
 # --------------------------------------------------------------------------- in-place loads
@@ -358,9 +406,35 @@ class HandedOut:
         self.entries = entries
         self.steps = torch.tensor([int(state[i]["ab_step"]) for i, _, _ in entries],
                                   dtype=torch.int64)
-        for (i, _, _), view in zip(entries, self.steps.unbind(0)):
+        # Weak references (a saved dict, once dropped, must not stay alive here) to each
+        # entry's exp_avg and stored moments; see stored_of.
+        self.stored: dict = {}
+        for (i, p, _), view in zip(entries, self.steps.unbind(0)):
             state[i]["ab_step"] = view
+            ours = {k: weakref.ref(v) for k, v in state[i].items()
+                    if k.startswith(OURS) and k != "ab_step" and isinstance(v, torch.Tensor)}
+            if ours and isinstance(state[i].get("exp_avg"), torch.Tensor):
+                self.stored[p] = (weakref.ref(state[i]["exp_avg"]), ours, view)
         self.version = self.steps._version
+
+    def stored_of(self, p: torch.Tensor, entry: dict) -> dict:
+        """``entry`` with the ab_ entries handed out beside its exp_avg, where it holds the
+        very exp_avg tensor handed out for p but none of our entries.
+
+        NOTE: get_optimizer_state_dict(flatten_optimizer_state_dict=True) hands DCP our
+        whole entry, and dcp.load fills its tensors in place, but set_optimizer_state_dict
+        rebuilds each entry from the keys of opt.state[p] only, dropping ab_step and the
+        stored moments: they are still here, loaded. checked_entry uses them only where they
+        are current and decode to exactly the entry's torch form.
+        """
+        found = self.stored.get(p)
+        if found is None or any(k.startswith(OURS) for k in entry):
+            return entry
+        torch_m, ours, step = found
+        stored = {k: ref() for k, ref in ours.items()}
+        if torch_m() is not entry.get("exp_avg") or any(v is None for v in stored.values()):
+            return entry
+        return {**entry, **stored, OURS + "step": step}
 
     def written(self) -> bool:
         return self.steps._version != self.version

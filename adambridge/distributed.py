@@ -243,7 +243,8 @@ def saved_entry(p: torch.Tensor, state: dict) -> dict:
     return entry
 
 
-def restore(state_dict: Any, groups: list, params: list, precision: str) -> tuple:
+def restore(state_dict: Any, groups: list, params: list, precision: str,
+            handed: Any = None) -> tuple:
     """checkpoint.restore, where each DTensor parameter stands for its local shard.
 
     The checkpoint's DTensor entries are brought to the parameter's placements (DCP already
@@ -251,7 +252,7 @@ def restore(state_dict: Any, groups: list, params: list, precision: str) -> tupl
     state are the shard's; the state comes back keyed by the DTensor parameter.
     """
     if not any(is_dtensor(p) for p in params):
-        return checkpoint.restore(state_dict, groups, params, precision)
+        return checkpoint.restore(state_dict, groups, params, precision, handed)
     locals_ = [local_of(p).detach() if is_dtensor(p) else p for p in params]
     back = {id(t): p for t, p in zip(locals_, params)}
     state_dict = dict(state_dict, state=_localized(state_dict, params))

@@ -24,6 +24,14 @@ from .stats import StepStats
 
 # Settings of the whole optimizer that checkpoints carry in every group (see checkpoint.py).
 _OPTIMIZER_WIDE = ("seed", "precision", "numerics")
+# The keyword-only constructor arguments: optimizer-wide, never a group's own. NOTE:
+# ZeroRedundancyOptimizer builds its local optimizer from groups that hold every argument it
+# was given (they are its defaults) and copies its groups' values in before each step, so a
+# group may hold one when it equals the optimizer's; any other value is refused.
+_SETTINGS = ("precision", "stochastic_rounding", "backend", "numa_aware", "num_threads",
+             "chunk_size", "release_grads", "overlap_writeback", "autotune", "seed",
+             "small_param_threshold", "max_grad_norm", "offload_dir", "host_budget",
+             "shard_state", "numerics")
 
 
 class AdamBridge(ParamOwner, torch.optim.Optimizer):
@@ -65,6 +73,13 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         **torch_flags: Any,
     ) -> None:
         check.torch_flags(torch_flags, UNSUPPORTED_TORCH_FLAGS)
+        self._settings = dict(stochastic_rounding=stochastic_rounding, backend=backend,
+                              numa_aware=numa_aware, num_threads=num_threads,
+                              chunk_size=chunk_size, release_grads=release_grads,
+                              overlap_writeback=overlap_writeback, autotune=autotune,
+                              small_param_threshold=small_param_threshold,
+                              max_grad_norm=max_grad_norm, offload_dir=offload_dir,
+                              host_budget=host_budget, shard_state=shard_state)
         check.hyperparameters(lr, betas, eps, weight_decay)
         self._precision = check.precision(precision)
         self._backend_request = check.backend(backend)
@@ -102,7 +117,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._in_place_refusal: Optional[str] = None
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.state = host_state.host_states(self.state)  # its tensors stay on the host
+        # Its tensors stay on the host; a whole dict written into it is taken or refused.
+        self.state = host_state.host_states(self.state, owner=self)
         if offload is not None:
             _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
             self._tier = nvme.Tier(self, offload, host_budget)
@@ -175,8 +191,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 seen.add(key)
                 _check_new_param(key, len(self._param_index) + len(unique))
             unique.append(p)
-        for key in _OPTIMIZER_WIDE:
-            if key in param_group:
+        for key in _SETTINGS:
+            if key in param_group and not self._is_setting(key, param_group[key]):
                 raise ValueError(f"Invalid param group option {key!r}: "
                                  f"{param_group[key]!r} (it is optimizer-wide; pass it "
                                  f"to AdamBridge(...) instead)")
@@ -187,6 +203,30 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             _refuse_dtensors_with_offload(p for p in unique if isinstance(p, torch.Tensor))
         super().add_param_group(dict(param_group, params=unique))
         self._index_params()
+
+    def _is_setting(self, key: str, value: Any) -> bool:
+        """Whether ``value`` is what this optimizer was built with for setting ``key``."""
+        current = self._setting(key)
+        try:
+            return bool(value is current or value == current)
+        except Exception:  # noqa: BLE001 - a value that cannot be compared is not the same
+            return False
+
+    def _setting(self, key: str) -> Any:
+        now = {"precision": self._precision, "seed": self.seed,
+               "numerics": host_state.NUMERICS_VERSION}
+        return now[key] if key in now else self._settings.get(key)
+
+    def _check_group_settings(self) -> None:
+        """Refuse a group whose copy of an optimizer-wide setting was changed (it would be
+        ignored): ZeroRedundancyOptimizer copies its groups' values in before each step."""
+        for i, group in enumerate(self.param_groups):
+            for key in _SETTINGS:
+                if key in group and not self._is_setting(key, group[key]):
+                    raise ValueError(f"param_groups[{i}][{key!r}] is {group[key]!r}, but it is "
+                                     f"optimizer-wide and this AdamBridge was built with "
+                                     f"{key}={self._setting(key)!r}"
+                                     f"; build a new AdamBridge to change it")
 
     def follow_groups(self) -> None:
         """Index the parameters put into, taken out of or replaced in param_groups[i]['params']
@@ -268,6 +308,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_group_settings()
         if self._pipeline is not None:
             self._pipeline.finish()
             return loss
@@ -528,7 +569,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 new_state, new_groups, meta = zero.restore(self, state_dict)
             else:
                 new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
-                                                                   params, precision)
+                                                                   params, precision, self._handed)
             if self._tier is not None:
                 new_state = self._tier.adopt(new_state)  # file-placed states go into files
         except BaseException:
@@ -553,6 +594,34 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    def take_written_state(self, p: torch.Tensor, value: dict) -> dict:
+        """The HostState for a plain dict written into ``opt.state[p]`` from outside
+        (ZeroRedundancyOptimizer.load_state_dict writes each saved entry so), or a one-line
+        refusal. A parameter's entry is checked and converted as load_state_dict() does
+        (torch's form, ours, any precision); the next step compares p with its master."""
+        if p not in self._param_index:
+            return host_state.HostState(value)  # not a parameter's: kept as is, as torch does
+        index = self._param_index[p]
+        where = f"opt.state[p] of parameter {index} was written from outside"
+        if self._pipeline is not None:
+            raise RuntimeError(f"{where} while hooks are attached; call opt.detach_hooks() "
+                               f"first, or load with opt.load_state_dict()")
+        if self._tier is not None or self._shard_group is not None or \
+                distributed.is_dtensor(p):
+            kind = ("the NVMe tier (offload_dir)" if self._tier is not None else
+                    "shard_state=True" if self._shard_group is not None else "FSDP2")
+            raise RuntimeError(f"{where}, which {kind} does not take (its state is not a "
+                               f"plain host dict); load with opt.load_state_dict()")
+        try:
+            restored = checkpoint.written_entry(index, value, p, self._precision)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        self.release_plan()  # it holds pointers into the state being replaced
+        self._written.pop(p, None)  # the next step compares p with the new master
+        if restored:
+            self._layout[p] = (p.shape, p.dtype)
+        return host_state.HostState(restored)
+
     # ------------------------------------------------------------------ copies
 
     def __getstate__(self) -> dict:
@@ -575,7 +644,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.__dict__.setdefault("_tuner", None)  # pickled before the tuner was the optimizer's
         self.__dict__.setdefault("_handed", None)  # pickled before in-place loads were seen
         self.__dict__.setdefault("_in_place_refusal", None)
-        self.state = host_state.host_states(self.state)  # pickled with plain dicts, perhaps
+        self.__dict__.setdefault("_settings", {})  # pickled before groups could hold them
+        self.state = host_state.host_states(self.state, owner=self)  # plain dicts, perhaps
         if "_indexed" not in self.__dict__:  # pickled before param_groups were followed
             self.__dict__["_indexed"] = [p for g in self.param_groups for p in g["params"]]
         if not had_flag:  # torch adds it for its own optimizers; ours refuses the flag

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import weakref
 from collections import defaultdict
 from functools import lru_cache
 from typing import Any, Optional
@@ -105,11 +106,37 @@ class HostState(dict):
         super().__setitem__(key, value)
 
 
-def host_states(states: Any) -> "defaultdict":
-    """``optimizer.state`` with each parameter's plain dict a HostState."""
-    out: defaultdict = defaultdict(HostState)
+class StateTable(defaultdict):
+    """``optimizer.state``: parameter -> HostState, where a whole dict written from outside
+    (``opt.state[p] = {...}``) goes through the optimizer that owns the table.
+
+    NOTE: torch.distributed.optim.ZeroRedundancyOptimizer.load_state_dict writes each
+    parameter's saved entry (torch's form, our master and ab_ entries, p's shape and dtype)
+    straight into ``optim.state[p]``; stored as given, the next step would read a state the
+    kernel's flat views do not fit. ``owner`` (a weak reference to the optimizer) turns
+    such a write (a plain dict) into the state the entry describes, checked as
+    load_state_dict checks it, or refuses it in one line. The optimizer's own states
+    (HostState, the NVMe tier's) are stored as they are.
+    """
+
+    owner: Any = None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        owner = self.owner() if self.owner is not None else None
+        if type(value) is dict:  # the optimizer's own (HostState, the tier's) are not plain
+            value = (owner.take_written_state(key, value)
+                     if owner is not None and isinstance(key, torch.Tensor) else HostState(value))
+        super().__setitem__(key, value)
+
+
+def host_states(states: Any, owner: Any = None) -> "StateTable":
+    """``optimizer.state`` with each parameter's plain dict a HostState; ``owner``: the
+    optimizer that takes whole dicts written from outside (StateTable)."""
+    out = StateTable(HostState)
     for key, value in states.items():
         out[key] = HostState(value) if type(value) is dict else value
+    if owner is not None:
+        out.owner = weakref.ref(owner)
     return out
 
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ def _literal_path(node, where: str) -> Path:
 def _parametrized(function, name: str) -> list:
     """The values pytest.mark.parametrize gives the argument ``name`` of ``function``."""
     for decorator in function.decorator_list:
-        if not (isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize"):
+        if not (isinstance(decorator, ast.Call)
+                and getattr(decorator.func, "attr", "") == "parametrize"):
             continue
         names, values = (ast.literal_eval(arg) for arg in decorator.args[:2])
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
@@ -78,14 +80,16 @@ def _parametrized(function, name: str) -> list:
     return []
 
 
-def _claims() -> list:
+@lru_cache(maxsize=None)
+def _claims() -> tuple:
     """(test file:line, page, anchor text) for every example() call under tests/."""
     claims = []
     for source in sorted(TESTS.rglob("*.py")):
         if source.name in ("_readme.py", Path(__file__).name):
             continue
         tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
-        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        functions = [n for n in ast.walk(tree)
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call)
                     and getattr(call.func, "id", getattr(call.func, "attr", None)) == "example"):
@@ -105,7 +109,7 @@ def _claims() -> list:
             assert anchors, (f"{where}: example()'s anchor is neither a string nor a parametrized "
                              f"argument: write it so that tests/test_doc_examples.py can read it")
             claims.extend((where, page, anchor) for anchor in anchors)
-    return claims
+    return tuple(claims)
 
 
 def _claimed_offset(page: Path, anchor: str, where: str) -> int:
@@ -118,9 +122,11 @@ def _claimed_offset(page: Path, anchor: str, where: str) -> int:
     return start
 
 
+@lru_cache(maxsize=None)
 def _claimed() -> dict:
     """{(page, offset): the test file:line that runs it}."""
-    return {(page, _claimed_offset(page, anchor, where)): where for where, page, anchor in _claims()}
+    return {(page, _claimed_offset(page, anchor, where)): where
+            for where, page, anchor in _claims()}
 
 
 def test_every_claim_names_a_block_that_exists():
@@ -157,8 +163,9 @@ def run_blocks(blocks: list, workdir: Path, timeout: float = 300) -> None:
         done = subprocess.run([sys.executable, "-c", RUNNER, str(listing)], cwd=workdir, env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the blocks at {', '.join(w for w, _ in blocks)} took over {timeout} s "
-                             f"together: make them faster, or claim them in a test") from None
+        places = ", ".join(w for w, _ in blocks)
+        raise AssertionError(f"the blocks at {places} took over {timeout} s together: "
+                             f"make them faster, or claim them in a test") from None
     failed = re.findall(r"^FAILED (.+)$", done.stdout, re.M)
     assert done.returncode == 0, (f"the ```python block at {failed[0] if failed else blocks[0][0]} "
                                   f"is claimed by no test (tests/_readme.py::example) and does not "
@@ -180,7 +187,8 @@ def test_unclaimed_blocks_run_as_they_stand(page, tmp_path):
 
 def test_a_fragment_nobody_claims_fails_with_its_place(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\nText.\n\n```python\nopt.step()  # a fragment\n```\n", encoding="utf-8")
+    page.write_text("# A page\n\nText.\n\n```python\nopt.step()  # a fragment\n```\n",
+                    encoding="utf-8")
     blocks = [(f"page.md:{line}", code) for line, _, code in _blocks(page)]
     assert blocks == [("page.md:6", "opt.step()  # a fragment\n")]
     with pytest.raises(AssertionError, match=r"block at page\.md:6 is claimed by no test"):

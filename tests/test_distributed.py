@@ -128,7 +128,7 @@ def test_ddp_async_uses_the_reduced_gradient_and_equals_sync(two_ranks):
 def test_readme_multi_gpu_examples_run_under_torchrun(tmp_path, after):
     script = tmp_path / "train.py"
     # The example verbatim, then a line each rank prints once the example is done.
-    script.write_text(example(after) + '\nprint("example done", flush=True)\n',
+    script.write_text(example(after, "docs/multi-gpu.md") + '\nprint("example done", flush=True)\n',
                       encoding="utf-8")
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -172,7 +172,7 @@ def test_readme_accelerate_example_runs():
     accelerator, model, _, _, loader = make_run("sync")  # only for a model and a loader
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    code = example("accelerate (`prepare`, `accumulate`")
+    code = example("accelerate (`prepare`, `accumulate`", "docs/frameworks.md")
     # The torch backend: the test does not wait for the kernel to build (results are equal).
     code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
     assert 'backend="torch"' in code

@@ -197,7 +197,7 @@ def test_readme_lightning_example_runs():
     class Base(Tiny):  # what the example's `...` stands for
         pass
 
-    code = example("Lightning, automatic optimization")
+    code = example("Lightning, automatic optimization", "docs/frameworks.md")
     # The torch backend: the test does not wait for the kernel to build (results are equal).
     code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
     assert 'backend="torch"' in code

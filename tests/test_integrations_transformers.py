@@ -228,7 +228,7 @@ def test_a_step_the_grad_scaler_skips_is_reported_to_accelerate(hooked):
 def test_readme_trainer_example_runs(tmp_path, monkeypatch):
     from _readme import example
     monkeypatch.chdir(tmp_path)  # the example writes to ./out
-    code = example("Hugging Face `Trainer` (`max_grad_norm`")
+    code = example("Hugging Face `Trainer` (`max_grad_norm`", "docs/frameworks.md")
     # The torch backend: the test does not wait for the kernel to build (results are equal).
     code = code.replace('precision="bf16")', 'precision="bf16", backend="torch")')
     assert 'backend="torch"' in code

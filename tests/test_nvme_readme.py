@@ -24,7 +24,7 @@ def _step(model, opt, seed):
 
 
 def test_readme_nvme_example_runs_and_places_state_in_files(tmp_path, capsys):
-    code = example("State beyond host RAM lives in files")
+    code = example("State beyond host RAM lives in files", "docs/nvme.md")
     code = code.replace('Path("/mnt/', f'Path("{tmp_path}/mnt/')
     assert code.count(f'Path("{tmp_path}/mnt/') == 2
     model = _model()

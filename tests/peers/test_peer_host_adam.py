@@ -79,8 +79,10 @@ def test_host_adam_low_precision_first_step_equals_adamw(precision, mode):
 def test_host_adam_low_precision_steps_equal_torch_twin_in_both_modes(precision):
     """Eight steps with bf16 parameters: the native kernel in sync and async mode equals the
     torch twin (backend='torch', sync) bit for bit, parameters and every state tensor."""
-    inits = _inits(torch.bfloat16)
-    grads = fixed_grads([(n,) for n in SIZES], steps=8)
+    # Without the million-element tensor: the torch twin's codecs take seconds on it.
+    sizes = SIZES[:-1]
+    inits = _inits(torch.bfloat16, sizes)
+    grads = fixed_grads([(n,) for n in sizes], steps=8)
     runs = {}
     for name, backend, mode in (("twin", "torch", "sync"), ("sync", "auto", "sync"),
                                 ("async", "auto", "async")):

@@ -197,3 +197,33 @@ def test_low_bit_adambridge_checkpoint_continues_in_adamw(way, mode, tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             assert_elements_close(resumed_opt.state[p][key], ref_opt.state[r][key],
                                   rtol=1e-6, atol=1e-7, what=f"{key}[{i}]")
+
+
+def _decoded(state: dict, precision: str) -> tuple:
+    """docs/numerics.md section 3, read back: bf16 widens exactly; fp8 is code * block scale
+    for m, and (code * block scale) squared for v, each product one fp32 rounding."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if precision == "bf16":
+        return m.float(), v.float()
+    blocks = lambda scale: scale.repeat_interleave(128)[:m.numel()]  # noqa: E731
+    sv = v.float() * blocks(state["exp_avg_sq_scale"])
+    return m.float() * blocks(state["exp_avg_scale"]), sv * sv
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_low_bit_checkpoint_gives_adamw_the_decoded_moments(precision, way, tmp_path):
+    """A bf16/fp8-moment checkpoint loaded into AdamW hands it exactly the moments AdamBridge
+    updates from (the codec's decoding), and AdamW's step counts on."""
+    model = _model()
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision)
+    _fixed_train(list(model.parameters()), opt, fixed_grads(SHAPES, 3))
+    _save(opt, model, way, tmp_path)
+    other = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    _load(adamw, other, way, tmp_path)
+    for i, (p, q) in enumerate(zip(model.parameters(), other.parameters())):
+        m, v = _decoded(opt.state[p], precision)
+        assert_identical([adamw.state[q]["exp_avg"].reshape(-1), adamw.state[q]["exp_avg_sq"]
+                          .reshape(-1)], [m, v], what=f"{precision} moments[{i}]")
+        assert int(adamw.state[q]["step"]) == 3

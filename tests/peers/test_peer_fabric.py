@@ -33,9 +33,10 @@ def _batch(step: int) -> tuple:
     return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
 
 
-def _parts(kind: str, mode: str, precision: str):
-    """A fresh Fabric, model, optimizer and scheduler, set up as Fabric's docs do."""
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+def _parts(kind: str, mode: str, precision: str, weights: str = "32-true"):
+    """A fresh Fabric, model, optimizer and scheduler, set up as Fabric's docs do
+    (``weights="bf16-true"``: Fabric casts the model's parameters to bf16 itself)."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision=weights)
     model = _model()
     if kind == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -43,6 +44,8 @@ def _parts(kind: str, mode: str, precision: str):
         opt = AdamBridge(model.parameters(), lr=1e-2, weight_decay=0.1, precision=precision,
                          small_param_threshold=0)
     model, opt = fabric.setup(model, opt)
+    wanted = torch.bfloat16 if weights == "bf16-true" else torch.float32
+    assert all(p.dtype == wanted for p in model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda s: 1.0 / (1 + s))
     return fabric, model, opt, schedule
 
@@ -74,8 +77,9 @@ def _result(model, opt) -> list:
         for key in ("exp_avg", "exp_avg_sq")]
 
 
-def _fit(kind: str, mode: str, precision: str = "fp32", resume_dir=None) -> list:
-    fabric, model, opt, schedule = _parts(kind, mode, precision)
+def _fit(kind: str, mode: str, precision: str = "fp32", resume_dir=None,
+         weights: str = "32-true") -> list:
+    fabric, model, opt, schedule = _parts(kind, mode, precision, weights)
     if resume_dir is None:
         _attach(opt, model, mode)
         _steps(fabric, model, opt, schedule, range(STEPS), mode)
@@ -86,7 +90,7 @@ def _fit(kind: str, mode: str, precision: str = "fp32", resume_dir=None) -> list
                                           "schedule": schedule, "step": SAVE_AT})
         if mode == "async":  # saved with the hooks on; this run ends here
             opt.optimizer.detach_hooks()
-        fabric, model, opt, schedule = _parts(kind, mode, precision)
+        fabric, model, opt, schedule = _parts(kind, mode, precision, weights)
         state = {"model": model, "optimizer": opt, "schedule": schedule, "step": 0}
         fabric.load(resume_dir / "ckpt", state)
         assert state["step"] == SAVE_AT
@@ -109,8 +113,10 @@ def test_fabric_async_equals_sync(precision):
                      what=f"{precision} async vs sync")
 
 
+@pytest.mark.parametrize("weights", ["32-true", "bf16-true"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_fabric_resume_equals_uninterrupted(precision, mode, tmp_path):
-    assert_identical(_fit("bridge", mode, precision, resume_dir=tmp_path),
-                     _fit("bridge", mode, precision), what=f"{precision} {mode} resumed")
+def test_fabric_resume_equals_uninterrupted(precision, mode, weights, tmp_path):
+    assert_identical(_fit("bridge", mode, precision, resume_dir=tmp_path, weights=weights),
+                     _fit("bridge", mode, precision, weights=weights),
+                     what=f"{precision} {mode} {weights} resumed")

@@ -185,9 +185,13 @@ def test_host_adam_swapped_groups_refused_with_hooks():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_host_adam_under_bf16_default_dtype(mode):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_host_adam_under_bf16_default_dtype(precision, mode):
     """torchao's default-dtype test: a model built under torch.set_default_dtype(bf16)
-    trains; master and moments stay fp32 and equal AdamW on an fp32 copy."""
+    trains; the master stays fp32 and the moments take the precision asked for, not the
+    default dtype. fp32 moments equal AdamW on an fp32 copy over four steps, bf16/fp8 moments
+    on the first (the exact moments)."""
+    steps = 4 if precision == "fp32" else 1
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -197,9 +201,10 @@ def test_host_adam_under_bf16_default_dtype(mode):
         params = list(model.parameters())
         ref, ref_opt = adamw_twin(params, **HYPER)
         # release_grads=False keeps p.grad after the hooks took it, for the reference.
-        opt = bridge(params, mode, model=model, release_grads=False, **HYPER)
+        opt = bridge(params, mode, model=model, release_grads=False, precision=precision,
+                     **HYPER)
         gen = torch.Generator().manual_seed(2)
-        for _ in range(4):
+        for _ in range(steps):
             x = torch.randn(4, 32, generator=gen)
             model(x).float().square().mean().backward()
             step_reference(ref, ref_opt, [p.grad for p in params], torch.bfloat16)
@@ -207,5 +212,10 @@ def test_host_adam_under_bf16_default_dtype(mode):
             opt.zero_grad()
     finally:
         torch.set_default_dtype(old)
-    assert all(opt.state[p]["master"].dtype == torch.float32 for p in params)
-    assert_matches_adamw(opt, params, ref, ref_opt, what=f"default bf16 {mode}")
+    m_dtype, v_dtype = STATE_DTYPES[precision]
+    for p in params:
+        state = opt.state[p]
+        assert state["master"].dtype == torch.float32
+        assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype) == (m_dtype, v_dtype)
+    assert_matches_adamw(opt, params, ref, ref_opt, moments=precision == "fp32",
+                         what=f"default bf16, {precision} {mode}")

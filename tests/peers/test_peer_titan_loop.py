@@ -73,11 +73,12 @@ def _warmup_cosine(step: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
 
 
-def _build(kind: str, mode: str, precision: str, seed: int) -> dict:
+def _build(kind: str, mode: str, precision: str, seed: int,
+           dtype: torch.dtype = torch.float32) -> dict:
     torch.manual_seed(seed)  # a resumed run starts from other weights: the load must win
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Flatten(),
                                 torch.nn.Linear(4 * 16, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 32))
+                                torch.nn.Linear(32, 32)).to(dtype)
     if kind == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     else:
@@ -115,18 +116,19 @@ def _result(run: dict) -> list:
         opt.state[p][key].detach().clone() for p in params for key in ("exp_avg", "exp_avg_sq")]
 
 
-def _uninterrupted(kind: str, mode: str, precision: str = "fp32") -> list:
-    run = _build(kind, mode, precision, seed=0)
+def _uninterrupted(kind: str, mode: str, precision: str = "fp32",
+                   dtype: torch.dtype = torch.float32) -> list:
+    run = _build(kind, mode, precision, seed=0, dtype=dtype)
     _train_until(run, STEPS)
     return _result(run)
 
 
-def _resumed(mode: str, precision: str, folder) -> list:
-    first = _build("bridge", mode, precision, seed=0)
+def _resumed(mode: str, precision: str, folder, dtype: torch.dtype) -> list:
+    first = _build("bridge", mode, precision, seed=0, dtype=dtype)
     _train_until(first, SAVE_AT)
     dcp.save(first["states"], checkpoint_id=str(folder))
     _result(first)  # the first job ends here
-    run = _build("bridge", mode, precision, seed=1)
+    run = _build("bridge", mode, precision, seed=1, dtype=dtype)
     dcp.load(run["states"], checkpoint_id=str(folder))
     assert run["train"].step == SAVE_AT
     _train_until(run, STEPS)
@@ -145,8 +147,11 @@ def test_titan_loop_async_equals_sync(precision):
                      _uninterrupted("bridge", "sync", precision), what=f"{precision} async")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_titan_loop_dcp_resume_equals_uninterrupted(precision, mode, tmp_path):
-    assert_identical(_resumed(mode, precision, tmp_path),
-                     _uninterrupted("bridge", mode, precision), what=f"{precision} {mode}")
+def test_titan_loop_dcp_resume_equals_uninterrupted(precision, mode, dtype, tmp_path):
+    """Parameters in fp32 or bf16 (the bf16 ones rebuilt from the checkpoint's masters)."""
+    assert_identical(_resumed(mode, precision, tmp_path, dtype),
+                     _uninterrupted("bridge", mode, precision, dtype),
+                     what=f"{precision} {mode} {dtype}")

@@ -55,3 +55,59 @@ def fsdp2_uneven(rank: int, world: int, out_dir: str) -> dict:
     torch.manual_seed(0)
     result["init"] = [p.detach().clone() for p in torch.nn.Linear(512, 33).parameters()]
     return result
+
+
+def _sharded(precision: str, mode: str, seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    from adambridge import AdamBridge
+
+    torch.manual_seed(seed)
+    model = fully_shard(torch.nn.Linear(512, 33))
+    opt = AdamBridge(model.parameters(), lr=LR, weight_decay=WD, precision=precision, seed=5)
+    if mode == "async":
+        opt.attach_hooks(model)
+    return model, opt
+
+
+def _train(model, opt, steps: range, rank: int) -> None:
+    for step in steps:
+        x, c = _batch(step, rank)
+        (model(x) * c).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def fsdp2_uneven_dcp_resume(rank: int, world: int, out_dir: str) -> dict:
+    """The uneven shards saved by DCP after 2 of STEPS steps (get_state_dict), loaded into a
+    freshly built and differently initialised model and optimizer (set_state_dict), trained
+    on: this rank's shards and state, and those of the uninterrupted run. fp8 moments are
+    refused by state_dict() on DTensor parameters, so fp32 and bf16."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    result = {}
+    for precision in ("fp32", "bf16"):
+        for mode in ("sync", "async"):
+            folder = f"{out_dir}/ckpt-{precision}-{mode}"
+            model, opt = _sharded(precision, mode, seed=0)
+            _train(model, opt, range(2), rank)
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+            _train(model, opt, range(2, STEPS), rank)
+            opt.detach_hooks()
+            whole = _local(model, opt)
+            model, opt = _sharded(precision, mode, seed=1)
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            _train(model, opt, range(2, STEPS), rank)
+            opt.detach_hooks()
+            result[precision, mode] = dict(uninterrupted=whole, resumed=_local(model, opt))
+    return result
+
+
+def _local(model, opt) -> list:
+    params = list(model.parameters())
+    return [p.to_local().detach().clone() for p in params] + [
+        opt.state[p][key].clone() for p in params for key in sorted(opt.state[p])]

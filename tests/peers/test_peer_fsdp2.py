@@ -71,3 +71,19 @@ def test_fsdp2_uneven_shards_async_equals_sync(ranks, precision):
         sync, hooked = result[precision, "sync"], result[precision, "async"]
         assert_identical(hooked["local"] + hooked["state"], sync["local"] + sync["state"],
                          what=f"{precision} rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    return workers.launch("peers._peer_ranks:fsdp2_uneven_dcp_resume", 2,
+                          tmp_path_factory.mktemp("fsdp2_resume"), timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp2_uneven_shards_dcp_resume_equals_uninterrupted(resumed, precision, mode):
+    """torchao's FSDP2 checkpoint test on uneven shards: saved by DCP on 2 ranks, loaded into
+    a fresh model and optimizer, trained on: equal to the run never stopped, bit for bit."""
+    for rank, result in enumerate(resumed):
+        run = result[precision, mode]
+        assert_identical(run["resumed"], run["uninterrupted"], what=f"rank {rank}")

@@ -75,13 +75,14 @@ def test_host_adam_low_precision_first_step_equals_adamw(precision, mode):
     assert_matches_adamw(opt, params, ref, ref_opt, moments=False, what=precision)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_host_adam_low_precision_steps_equal_torch_twin_in_both_modes(precision):
-    """Eight steps with bf16 parameters: the native kernel in sync and async mode equals the
-    torch twin (backend='torch', sync) bit for bit, parameters and every state tensor."""
+def test_host_adam_low_precision_steps_equal_torch_twin_in_both_modes(precision, dtype):
+    """Eight steps with bf16/fp16 parameters: the native kernel in sync and async mode equals
+    the torch twin (backend='torch', sync) bit for bit, parameters and every state tensor."""
     # Without the million-element tensor: the torch twin's codecs take seconds on it.
     sizes = SIZES[:-1]
-    inits = _inits(torch.bfloat16, sizes)
+    inits = _inits(dtype, sizes)
     grads = fixed_grads([(n,) for n in sizes], steps=8)
     runs = {}
     for name, backend, mode in (("twin", "torch", "sync"), ("sync", "auto", "sync"),
@@ -148,25 +149,29 @@ def test_host_adam_split_tensor_equals_whole(precision):
         assert_identical([parts], [opts[0].state[whole][key]], what=key)
 
 
-def test_host_adam_partitions_swapped_into_groups_equal_adamw():
+@pytest.mark.parametrize("mode", MODES)
+def test_host_adam_partitions_swapped_into_groups_equal_adamw(mode):
     """ZeRO-offload builds its CPU optimizer, then puts its flat fp32 partitions into
-    ``param_groups[i]['params']``: those are what is stepped, as AdamW steps them."""
+    ``param_groups[i]['params']``: those are what is stepped, as AdamW steps them (async:
+    hooks attached after the swap, so they cover the partitions)."""
     sizes = (33, 1025, 7)
     inits = _inits(torch.float32, sizes)
     placeholders = [own_copy(torch.zeros(1)) for _ in range(2)]
     opt = AdamBridge([dict(params=[placeholders[0]]), dict(params=[placeholders[1]], lr=3e-3)],
-                     **HYPER)
+                     small_param_threshold=0, **HYPER)
     params = [own_copy(v) for v in inits]
     opt.param_groups[0]["params"] = params[:2]
     opt.param_groups[1]["params"] = params[2:]
+    if mode == "async":
+        opt.attach_hooks()
     ref, _ = adamw_twin(inits)
     ref_opt = torch.optim.AdamW([dict(params=ref[:2]), dict(params=ref[2:], lr=3e-3)], **HYPER)
     for step_grads in fixed_grads([(n,) for n in sizes], steps=5):
         step_reference(ref, ref_opt, step_grads, torch.float32)
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+        backward_with(params, step_grads)
         opt.step()
-    assert_matches_adamw(opt, params, ref, ref_opt, what="swapped partitions")
+        opt.zero_grad()
+    assert_matches_adamw(opt, params, ref, ref_opt, what=f"swapped partitions, {mode}")
     assert not any(p in opt.state for p in placeholders)
 
 

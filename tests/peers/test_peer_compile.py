@@ -69,3 +69,29 @@ def test_compiled_model_by_inductor_equals_adamw_in_both_modes():
     (sp, so, _, _), (ap, ao, _, _) = runs["sync"], runs["async"]
     assert_identical([p.detach() for p in ap] + state_tensors(ao, ap),
                      [p.detach() for p in sp] + state_tensors(so, sp), what="inductor async")
+
+
+def _steps_with(step_of, mode: str, precision: str) -> list:
+    """Four steps of the tiny model, the optimizer's step called as ``step_of(opt)()``."""
+    model = _model()
+    opt = bridge(model.parameters(), mode, model=model, lr=1e-2, precision=precision)
+    step = step_of(opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    return [p.detach() for p in params] + state_tensors(opt, params)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_compiled_optimizer_step_equals_eager_step(precision, mode):
+    """torch.compile(opt.step), as torch's own optimizers are often compiled: the step runs
+    as written (it leaves the graph), so every bit equals the eager step's, in both modes and
+    past the first step (where dynamo recompiles for a changing step count)."""
+    assert_identical(_steps_with(lambda opt: torch.compile(opt.step), mode, precision),
+                     _steps_with(lambda opt: opt.step, mode, precision),
+                     what=f"compiled step, {precision} {mode}")

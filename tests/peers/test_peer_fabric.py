@@ -6,7 +6,8 @@ fresh Fabric, model and optimizer.
 
 - sync AdamBridge (fp32 moments) equals torch.optim.AdamW through the same loop;
 - async mode (``attach_hooks`` on the module Fabric wrapped) equals sync bit for bit, every
-  precision, with clipping that fires;
+  precision, with clipping that fires, for fp32, bf16 and fp16 parameters and bf16
+  autocast;
 - the resumed run equals the uninterrupted one bit for bit, both modes, every precision.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _parts(kind: str, mode: str, precision: str, weights: str = "32-true"):
         opt = AdamBridge(model.parameters(), lr=1e-2, weight_decay=0.1, precision=precision,
                          small_param_threshold=0)
     model, opt = fabric.setup(model, opt)
-    wanted = torch.bfloat16 if weights == "bf16-true" else torch.float32
+    wanted = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(weights, torch.float32)
     assert all(p.dtype == wanted for p in model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda s: 1.0 / (1 + s))
     return fabric, model, opt, schedule
@@ -107,13 +108,20 @@ def test_fabric_sync_equals_adamw():
         assert_elements_close(a, b, rtol=RTOL, atol=ATOL, what=f"tensor {i}")
 
 
+# Fabric's precisions: fp32, bf16 or fp16 parameters, bf16 autocast (on the CPU Fabric turns
+# "16-mixed" into bf16 autocast too, without a GradScaler).
+WEIGHTS = ["32-true", "bf16-true", "16-true", "bf16-mixed"]
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_fabric_async_equals_sync(precision):
-    assert_identical(_fit("bridge", "async", precision), _fit("bridge", "sync", precision),
-                     what=f"{precision} async vs sync")
+def test_fabric_async_equals_sync(precision, weights):
+    assert_identical(_fit("bridge", "async", precision, weights=weights),
+                     _fit("bridge", "sync", precision, weights=weights),
+                     what=f"{precision} {weights} async vs sync")
 
 
-@pytest.mark.parametrize("weights", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_fabric_resume_equals_uninterrupted(precision, mode, weights, tmp_path):

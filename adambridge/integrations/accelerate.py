@@ -13,8 +13,9 @@
 this module unwraps it. ``accelerator.accumulate`` sets ``sync_gradients`` before each
 backward, so the hooks update exactly on the backward that closes the window, and
 ``AcceleratedOptimizer.step()`` calls ours on that micro-batch only.
-``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``, which the
-optimizer answers while hooks are attached. Several processes: ``prepare`` wraps the model
+``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_`` (made so again on
+accelerate releases that compute the norm themselves), which the optimizer answers while
+hooks are attached. Several processes: ``prepare`` wraps the model
 in DistributedDataParallel, whose all-reduced buckets the optimizer updates from (its comm
 hook, see distributed.py), so the hooks go on that wrapper; ``accumulate`` runs the other
 micro-batches under ``no_sync``, so nothing is reduced or updated before the closing one. ``save_state`` / ``load_state`` go through
@@ -49,10 +50,43 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
     _refuse(accelerator)
     opt = unwrap_optimizer(optimizer, _WHO)
     report_skipped_steps(optimizer)
+    _clip_through_torch(accelerator)
     gradient_state = accelerator.gradient_state
     opt.attach_hooks(_ddp_in(model) or accelerator.unwrap_model(model),
                      closes_window=lambda: bool(gradient_state.sync_gradients))
     return opt
+
+
+def _clip_through_torch(accelerator: Any) -> None:
+    """Make ``accelerator.clip_grad_norm_`` end in ``torch.nn.utils.clip_grad_norm_`` again.
+
+    NOTE: accelerate 1.16 computes the norm itself (``_clip_grad_norm_dtensor_aware``:
+    ``get_total_norm`` over the gradients that are not None, then ``clip_grads_with_norm_``).
+    A hooked gradient is already on the host (``p.grad`` is None), so it would be left out
+    of the norm and of the clipping. Without DTensor parameters that method means torch's
+    ``clip_grad_norm_`` (its own fallback), which the optimizer answers.
+    """
+    original = getattr(accelerator, "_clip_grad_norm_dtensor_aware", None)
+    if original is None or getattr(original, "_adambridge", False):
+        return  # an accelerate that calls torch's function, or patched already
+
+    def clip(parameters, max_norm, norm_type=2, foreach=None):
+        parameters = list(parameters)
+        if any(_is_dtensor(p) for p in parameters):
+            return original(parameters, max_norm, norm_type=norm_type, foreach=foreach)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type,
+                                              foreach=foreach)
+
+    clip._adambridge = True
+    accelerator._clip_grad_norm_dtensor_aware = clip
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without torch.distributed
+        return False
+    return isinstance(p, DTensor)
 
 
 def _ddp_in(model: Any) -> Any:

@@ -50,35 +50,37 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
     _refuse(accelerator)
     opt = unwrap_optimizer(optimizer, _WHO)
     report_skipped_steps(optimizer)
-    _clip_through_torch(accelerator)
+    clip_through_torch()
     gradient_state = accelerator.gradient_state
     opt.attach_hooks(_ddp_in(model) or accelerator.unwrap_model(model),
                      closes_window=lambda: bool(gradient_state.sync_gradients))
     return opt
 
 
-def _clip_through_torch(accelerator: Any) -> None:
-    """Make ``accelerator.clip_grad_norm_`` end in ``torch.nn.utils.clip_grad_norm_`` again.
+def clip_through_torch() -> None:
+    """Make ``Accelerator.clip_grad_norm_`` end in ``torch.nn.utils.clip_grad_norm_`` again.
 
     NOTE: accelerate 1.16 computes the norm itself (``_clip_grad_norm_dtensor_aware``:
     ``get_total_norm`` over the gradients that are not None, then ``clip_grads_with_norm_``).
     A hooked gradient is already on the host (``p.grad`` is None), so it would be left out
     of the norm and of the clipping. Without DTensor parameters that method means torch's
-    ``clip_grad_norm_`` (its own fallback), which the optimizer answers.
+    ``clip_grad_norm_`` (its own fallback, the same arithmetic), which the optimizer answers;
+    with them it is left as it is (async mode refuses FSDP here).
     """
-    original = getattr(accelerator, "_clip_grad_norm_dtensor_aware", None)
+    from accelerate import Accelerator
+    original = getattr(Accelerator, "_clip_grad_norm_dtensor_aware", None)
     if original is None or getattr(original, "_adambridge", False):
-        return  # an accelerate that calls torch's function, or patched already
+        return  # an accelerate that calls torch's function, or routed already
 
-    def clip(parameters, max_norm, norm_type=2, foreach=None):
+    def clip(self, parameters, max_norm, norm_type=2, foreach=None):
         parameters = list(parameters)
         if any(_is_dtensor(p) for p in parameters):
-            return original(parameters, max_norm, norm_type=norm_type, foreach=foreach)
+            return original(self, parameters, max_norm, norm_type=norm_type, foreach=foreach)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type,
                                               foreach=foreach)
 
     clip._adambridge = True
-    accelerator._clip_grad_norm_dtensor_aware = clip
+    Accelerator._clip_grad_norm_dtensor_aware = clip
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:

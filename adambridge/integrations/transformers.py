@@ -73,11 +73,12 @@ class AdamBridgeCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(kwargs.get("optimizer"), _WHO)
-        from .accelerate import report_skipped_steps
+        from .accelerate import clip_through_torch, report_skipped_steps
         report_skipped_steps(kwargs["optimizer"])
         if not self.async_mode:
             return
         _refuse_async_settings(args)
+        clip_through_torch()  # the Trainer clips with accelerator.clip_grad_norm_
         self._detach()  # an earlier train() that raised left them on
         from accelerate.state import GradientState
         gradient_state = GradientState()  # the Trainer's accelerator shares this state

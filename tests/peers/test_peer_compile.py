@@ -8,8 +8,11 @@ together; the result must still be that of step() bit for bit.
 NOTE: the model is one tiny block. Most tests compile it with the "aot_eager" backend: the
 same dynamo capture and AOTAutograd joint graph (so the same one-graph backward the hooks see)
 without inductor's C++ code generation, which costs about half a minute on this 2-core
-machine; one test pays that once for the default backend, both modes. The reference is fed the very gradients the subject saw, so the comparison holds the
-optimizer to the fp32 contract rather than to the drift of two trainings.
+machine; one test pays that once for the default backend, both modes. The reference is fed
+the very gradients the subject saw, so the comparison holds the optimizer to the fp32
+contract rather than to the drift of two trainings.
+
+Also here: torch.compile(opt.step) itself, and blocks compiled one by one (torchtitan's way).
 """
 from __future__ import annotations
 

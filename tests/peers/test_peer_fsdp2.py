@@ -18,7 +18,7 @@ import torch
 import _distributed_workers as workers
 from adambridge import AdamBridge
 
-from ._peer_ranks import LR, RUNS, WD
+from ._peer_ranks import LR, WD
 from ._twins import RTOL, ATOL, assert_elements_close, assert_identical, own_copy
 
 TIMEOUT_S = 180.0

@@ -19,9 +19,9 @@ import torch
 
 from adambridge import AdamBridge
 
-from ._twins import (ATOL, MODES, PRECISIONS, RTOL, adamw_twin, assert_identical,
-                     assert_matches_adamw, backward_with, bridge, fixed_grads, master_of,
-                     own_copy, state_tensors, step_reference)
+from ._twins import (MODES, PRECISIONS, adamw_twin, assert_identical, assert_matches_adamw,
+                     backward_with, bridge, fixed_grads, own_copy, state_tensors,
+                     step_reference)
 
 # Tails around every width the kernels use (8, 16, 128-element fp8 blocks, chunking), one
 # past the async threshold and one past a million, all in one optimizer (one batch).

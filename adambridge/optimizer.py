@@ -297,6 +297,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    # NOTE: torch.compile(opt.step), or a compiled function that calls it, runs this step
+    # eagerly, whole: dynamo cannot trace the native call, and inductor (torch 2.13, CPU)
+    # generated the int64 hash of the stream keys as float vector code, which failed to build.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdamW update of every parameter that has a gradient; returns closure's loss.

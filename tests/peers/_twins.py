@@ -68,3 +68,76 @@ def fixed_grads(shapes: Iterable, steps: int, seed: int = 1) -> list:
 def copies(model: torch.nn.Module) -> list:
     """The model's parameter values, each in memory of its own."""
     return [p.detach().clone() for p in model.parameters()]
+
+
+# --------------------------------------------------------------------------- shared settings
+
+RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3: fp32 moments equal torch.optim.AdamW
+PRECISIONS = ("fp32", "bf16", "fp8")
+MODES = ("sync", "async")
+
+
+def bridge(params, mode: str, model: torch.nn.Module | None = None, **kwargs):
+    """An AdamBridge over ``params`` in ``mode``. Async mode hooks every parameter (threshold
+    0), so even a one-element tensor travels through the pipeline rather than the step."""
+    from adambridge import AdamBridge
+    if mode == "async":
+        kwargs.setdefault("small_param_threshold", 0)
+    opt = AdamBridge(params, **kwargs)
+    if mode == "async":
+        opt.attach_hooks(model)
+    elif mode != "sync":
+        raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+    return opt
+
+
+def backward_with(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """A real backward whose gradient for each parameter is exactly ``g`` (in p's dtype):
+    d/dp sum(p * g) = g, so the hooks of async mode fire as they would in training."""
+    loss = sum((p * g.to(p.dtype)).sum() for p, g in zip(params, grads))
+    loss.backward()
+
+
+def adamw_twin(values: Sequence[torch.Tensor], **kwargs):
+    """torch.optim.AdamW over fp32 copies of ``values`` (the reference for any param dtype)."""
+    ref = [own_copy(v, torch.float32) for v in values]
+    return ref, torch.optim.AdamW(ref, **kwargs)
+
+
+def step_reference(ref: Sequence[torch.Tensor], opt, grads: Sequence[torch.Tensor],
+                   dtype: torch.dtype) -> None:
+    """One AdamW step on the fp32 reference with the gradient the subject saw (rounded to
+    the subject's dtype first, as its backward produced it)."""
+    for r, g in zip(ref, grads):
+        r.grad = g.to(dtype).float()
+    opt.step()
+
+
+def master_of(opt, p: torch.Tensor) -> torch.Tensor:
+    """The fp32 value AdamBridge holds for ``p``: its master, shaped like ``p``."""
+    state = opt.state[p]
+    if "master" in state:
+        return state["master"].view(p.shape)
+    return p.detach()
+
+
+def assert_matches_adamw(opt, params, ref, ref_opt, *, moments: bool = True,
+                         what: str = "") -> None:
+    """fp32 moments: master (and the parameter, where fp32) and both moments equal AdamW's
+    element by element within DESIGN.md's tolerance; a low-precision parameter is its
+    master rounded to nearest even, bit for bit."""
+    for i, (p, r) in enumerate(zip(params, ref)):
+        master = master_of(opt, p)
+        assert_elements_close(master, r, rtol=RTOL, atol=ATOL, what=f"{what} master[{i}]")
+        if p.dtype != torch.float32:
+            assert_identical([p.detach()], [master.to(p.dtype)], what=f"{what} write-back[{i}]")
+        if moments:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_elements_close(opt.state[p][key], ref_opt.state[r][key], rtol=RTOL,
+                                      atol=ATOL, what=f"{what} {key}[{i}]")
+        assert int(opt.state[p]["step"]) == int(ref_opt.state[r]["step"]), what
+
+
+def state_tensors(opt, params) -> list:
+    """Every tensor of the optimizer's state for ``params``, in a fixed order, copied."""
+    return [opt.state[p][key].detach().clone() for p in params for key in sorted(opt.state[p])]

@@ -55,3 +55,18 @@ def backend(request):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_kept():
+    """A test leaves torch's thread count and default dtype as it found them: both change
+    the bits of every later test in this process (CPU matmuls and reductions split their sums
+    by thread count), which once failed a bit-for-bit test only in a full run."""
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    yield
+    left = (torch.get_num_threads(), torch.get_default_dtype())
+    if left != (threads, dtype):
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        pytest.fail(f"the test left torch's thread count and default dtype at {left} (it "
+                    f"found {(threads, dtype)}); restore them", pytrace=False)

@@ -66,7 +66,8 @@ def test_trust_without_a_load_reading_still_judges_the_spread():
 def test_bench_kernels_prints_the_warning_under_load(monkeypatch, capsys):
     monkeypatch.setattr(trust, "read_others", lambda threads: 9.0)
     bk = bench_phases.load_script("bench_kernels")
-    bk.main(["--numel", "64K", "--repeats", "3", "--threads", "1", "--no-torch-backend"])
+    with bench_phases.thread_counts_kept():  # the script sets them, as a script may
+        bk.main(["--numel", "64K", "--repeats", "3", "--threads", "1", "--no-torch-backend"])
     out = capsys.readouterr().out
     warning, = [line for line in out.splitlines() if line.startswith("WARNING: ")]
     assert warning.startswith("WARNING: these timings are not to be trusted: ")

@@ -5,6 +5,7 @@ checkout and turns the rows they print into report sections.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 from .phases import Context, PhaseError, source_file, stream
 from . import report as lab_report
@@ -32,9 +34,29 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def thread_counts_kept() -> Iterator[None]:
+    """Run a benchmark in this process and leave torch's and the kernel's thread counts as
+    they were.
+
+    NOTE: the scripts set both (``--threads``), as a script may; in the lab's process (and a
+    test's) another count would outlive the phase, and torch's CPU matmuls and reductions
+    split their sums by thread count: a later training run would round differently.
+    """
+    import torch
+    from .._native import loader
+    kept = torch.get_num_threads(), loader.num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(kept[0])
+        loader.set_num_threads(kept[1])
+
+
 def _run_main(module: ModuleType, argv: list) -> None:
     try:
-        module.main(argv)
+        with thread_counts_kept():
+            module.main(argv)
     except SystemExit as exc:  # the scripts exit on a failed validation: a failed phase here
         if exc.code not in (None, 0):
             raise PhaseError(f"{module.__name__.split('_lab_')[-1]}.py stopped: {exc.code}") from None
@@ -113,13 +135,14 @@ def step(ctx: Context) -> Section:
     preset = "gpu" if torch.cuda.is_available() else "cpu"
     names = ["torch AdamW"] + [f"adambridge {mode} {p}" for p in bs.PRECISIONS
                                for mode in ("sync", "async")]
-    if ctx.options.get("threads"):
-        from .._native import loader
-        torch.set_num_threads(ctx.options["threads"])
-        loader.set_num_threads(ctx.options["threads"])
     ctx.step(0.0, f"bench_step --preset {preset}")
     try:
-        result = bs.run(preset, names, float(ctx.options["step_seconds"]))
+        with thread_counts_kept():
+            if ctx.options.get("threads"):
+                from .._native import loader
+                torch.set_num_threads(ctx.options["threads"])
+                loader.set_num_threads(ctx.options["threads"])
+            result = bs.run(preset, names, float(ctx.options["step_seconds"]))
     except SystemExit as exc:
         raise PhaseError(f"bench_step.py stopped: {exc.code}") from None
     printed = bs.table(result)

@@ -6,6 +6,6 @@ built on first use.
 from .autotune import AutoTuneConfig
 from .optimizer import AdamBridge, OptiComputeAdamW
 from .stats import StepStats
+from ._version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["AdamBridge", "OptiComputeAdamW", "StepStats", "AutoTuneConfig", "__version__"]

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .functional import BACKENDS, PRECISIONS
+from .update.functional import BACKENDS, PRECISIONS
 
 # torch.optim.AdamW flags this optimizer does not implement: refused when truthy.
 UNSUPPORTED_TORCH_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")

@@ -102,9 +102,9 @@ def choose_threads(measure: Callable[[int], float], candidates: Sequence[int], l
 
 def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], float]:
     """Seconds of one native update of ``numel`` synthetic elements (median of 3 after a warm-up)."""
-    from . import state as host_state
-    from .codecs import stream_key
-    from .functional import Hyper, adamw_update
+    from .update import state as host_state
+    from .update.codecs import stream_key
+    from .update.functional import Hyper, adamw_update
     master = torch.randn(numel, dtype=torch.float32)
     st = host_state.new_state(master, precision, alias=True)
     grad = torch.randn(numel, dtype=torch.bfloat16)
@@ -141,7 +141,7 @@ def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
         _record(log, TuneDecision("threads", "skipped", opt.num_threads,
                                   "num_threads was set by the user"))
         return
-    from . import topology
+    from .host import topology
     from ._native import loader
     if _process_threads[0] is not None:
         loader.set_num_threads(_process_threads[0], cpus)  # attach_hooks re-sized it
@@ -265,7 +265,7 @@ def _check_saved(saved: Any) -> None:
 
 def convert_states(pipeline: Any, precision: str) -> None:
     """Re-encode every state's moments on its device's worker (NUMA-local), then switch."""
-    from .state import convert_precision
+    from .update.state import convert_precision
     opt = pipeline.opt
 
     def convert(device: torch.device, params: list) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from . import _validation as check
-from . import codecs, state as host_state
+from .update import codecs, state as host_state
 
 NATIVE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 OURS = "ab_"          # prefix of the native entries

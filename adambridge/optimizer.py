@@ -12,14 +12,19 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 import torch
 
 from . import _validation as check
-from . import autotune, checkpoint, distributed, nvme, state as host_state, step_facts
-from . import step_plan
-from . import interception, rank_pool, sync_transfer, zero
+from . import autotune, checkpoint
+from .distributed import fsdp
+from .nvme import tier
+from .update import state as host_state
+from .sync import scaler_clip, step_plan
+from .pipeline import interception, rank_pool
+from .sync import transfer
+from .distributed import zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .autotune import Tuner
-from .functional import UpdateItem, adamw_update
+from .update.functional import UpdateItem, adamw_update
 from .params import ParamOwner
-from .state import can_alias_master
+from .update.state import can_alias_master
 from .stats import StepStats
 
 # Settings of the whole optimizer that checkpoints carry in every group (see checkpoint.py).
@@ -44,7 +49,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
     """
 
     # GradScaler hands this optimizer ``grad_scale`` and ``found_inf`` instead of unscaling
-    # p.grad itself: asynchronous mode unscales the host copies (see pipeline_facts.py).
+    # p.grad itself: asynchronous mode unscales the host copies (see pipeline/corrections.py).
     _step_supports_amp_scaling = True
 
     def __init__(
@@ -94,9 +99,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                                             small_param_threshold)
         self.max_grad_norm = check.max_grad_norm(max_grad_norm)
         self.autotune_config = check.autotune(autotune)
-        # NVMe tier (issue 14): validated here, created once the parameters are known.
-        offload = nvme.check_offload(offload_dir, host_budget, self.autotune_config)
-        # ZeRO-2 style host state under DDP (zero.py): the process group, or None.
+        # NVMe tier: validated here, created once the parameters are known.
+        offload = tier.check_offload(offload_dir, host_budget, self.autotune_config)
+        # ZeRO-2 style host state under DDP (distributed/zero.py): the process group, or None.
         self._shard_group = zero.process_group(shard_state, offload)
         self.autotune_log: list = []
         # The precision tuner (async mode) lives as long as the optimizer; see autotune.py.
@@ -110,8 +115,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         # (version, data_ptr) of each parameter when this optimizer last wrote it back.
         self._written: dict[torch.Tensor, tuple[int, int]] = {}
         self._pipeline = None  # set by attach_hooks (asynchronous mode)
-        self._tier: Optional[nvme.Tier] = None  # the NVMe tier, made once params are known
-        self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step (issue 13)
+        self._tier: Optional[tier.Tier] = None  # the NVMe tier, made once params are known
+        self._plan: Optional[step_plan.StepPlan] = None  # the cached sync step
         # What the last state_dict() handed out, and why an in-place load into it was refused.
         self._handed: Optional[checkpoint.HandedOut] = None
         self._in_place_refusal: Optional[str] = None
@@ -121,7 +126,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.state = host_state.host_states(self.state, owner=self)
         if offload is not None:
             _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
-            self._tier = nvme.Tier(self, offload, host_budget)
+            self._tier = tier.Tier(self, offload, host_budget)
         if self._backend_request == "native":
             try:
                 self._resolve_backend()  # fail now, not at the first step
@@ -149,14 +154,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         return "torch"
 
     @property
-    def nvme_tier(self) -> Optional["nvme.Tier"]:
+    def nvme_tier(self) -> Optional["tier.Tier"]:
         """The NVMe tier (``offload_dir``): bytes_written, drive_writes_per_day(); else None."""
         return self._tier
 
     def placement(self) -> list:
-        """Where each parameter's state lives: a list of nvme.Placed (index, numel, 'ram' or
+        """Where each parameter's state lives: a list of tier.Placed (index, numel, 'ram' or
         'file', state_bytes) in state_dict order; all 'ram' without ``offload_dir``."""
-        return nvme.placement(self)
+        return tier.placement(self)
 
     def host_state_bytes(self) -> int:
         """Bytes of host memory held by all parameters' master weights and moments.
@@ -168,8 +173,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     def host_memory_bytes(self) -> dict:
         """Host bytes by kind: state, pinned_staging (unswappable), writeback, total."""
-        from . import host_memory  # issue 11 item 10
-        return host_memory.breakdown(self)
+        from . import memory
+        return memory.breakdown(self)
 
     # ------------------------------------------------------------------ param groups
 
@@ -324,11 +329,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         began = time.perf_counter()
         stats = StepStats()
         self.last_step_stats = stats
-        if not step_facts.sync_amp(self):
+        if not scaler_clip.sync_amp(self):
             stats.skipped = True
             return loss
         if self.max_grad_norm is not None:
-            stats.grad_norm = step_facts.sync_clip(self)
+            stats.grad_norm = scaler_clip.sync_clip(self)
         if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
             self.follow_groups()  # refused: the ranges follow the index
             zero.sync_step(self, stats, began)
@@ -339,23 +344,23 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return self._finish_stats(stats, len(plan), began, loss)
         self.release_plan()
         self.follow_groups()  # parameters put into param_groups[i]["params"] directly
-        if distributed.holds_dtensors(self):  # FSDP2: each rank updates its local shard
+        if fsdp.holds_dtensors(self):  # FSDP2: each rank updates its local shard
             if self._tier is not None:  # DTensors put into param_groups behind our back
                 _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
-            distributed.sync_step(self, stats, began)
+            fsdp.sync_step(self, stats, began)
             return loss
         work = self._collect_work()
         if work:
             backend = self._resolve_backend()
             if step_plan.eligible(self, work, backend):
-                # NOTE: issue 13: later steps over the same parameters reuse this plan.
+                # NOTE: later steps over the same parameters reuse this plan.
                 self._plan = step_plan.StepPlan(self, work)
                 self._plan.run(self)
                 return self._finish_stats(stats, len(work), began, loss)
             rest = work if self._tier is None else self._tier.step(work, backend, stats)
-            # NOTE: issue 11 item 5: device gradients and weights move through pinned
-            # staging with one wait per step (sync_transfer.py), not 2N blocking copies.
-            staged = sync_transfer.Staged(self, [p for p, _, _, _ in rest], self._stages_out)
+            # NOTE: device gradients and weights move through pinned
+            # staging with one wait per step (sync/transfer.py), not 2N blocking copies.
+            staged = transfer.Staged(self, [p for p, _, _, _ in rest], self._stages_out)
             items = [self._update_item(p, group, state, step, staged)
                      for p, group, state, step in rest]
             adamw_update(items, backend)
@@ -388,14 +393,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         return prepared
 
     def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
-                     staged: "sync_transfer.Staged") -> UpdateItem:
+                     staged: "transfer.Staged") -> UpdateItem:
         return self.range_item(p, group, state, step, staged.grad(p),
                                staged.out(p, self._out_buffer), 0)
 
     def _stages_out(self, p: torch.Tensor) -> bool:
         # A CUDA parameter: the kernel writes its copy (fp32 too) into pinned staging, so
-        # the way back is one non_blocking copy, not a pageable one (issue 11 item 5).
-        return sync_transfer.on_device(p) and not can_alias_master(p)
+        # the way back is one non_blocking copy, not a pageable one.
+        return transfer.on_device(p) and not can_alias_master(p)
 
     def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""
@@ -416,7 +421,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         source = state["master"] if p.dtype == torch.float32 else self._writeback[p]
         p.detach().copy_(source.view(p.shape))
 
-    # --- asynchronous mode (pipeline.py)
+    # --- asynchronous mode (pipeline/hooks.py)
 
     def attach_hooks(self, model: Optional[torch.nn.Module] = None, *,
                      accumulation_steps: int = 1,
@@ -433,28 +438,29 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         inside ``with opt.accumulate():``. Clipping (``max_grad_norm``, or torch's
         ``clip_grad_norm_`` on these parameters) and GradScaler work as in ``step()``.
         """
-        from . import ddp_async, pipeline
+        from .distributed import ddp as ddp_async
+        from .pipeline import hooks as pipeline
         if self._pipeline is not None:
             raise RuntimeError("attach_hooks() called twice; call opt.detach_hooks() first")
         self.follow_groups()  # the hooks cover the groups as they are now
         sharded = self._shard_group is not None
-        fsdp2 = not sharded and distributed.holds_dtensors(self)
+        fsdp2 = not sharded and fsdp.holds_dtensors(self)
         if not sharded and not fsdp2:
             ddp_async.refuse_unknown_wrapper(model, "attach_hooks()")
         self.release_plan()  # the pipeline reads the write records and owns the steps now
         if sharded:  # shard_state: this rank's ranges, from DDP's hook
-            from . import zero_async
+            from .distributed import zero_async
             self._pipeline = zero_async.attach(self, model, accumulation_steps, closes_window)
             return
         if fsdp2:  # FSDP2: shards updated as their grads land
-            from . import fsdp_async
+            from .distributed import fsdp_async
             self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
             return
         ddp = ddp_async.wrapper_in(model)
         if ddp is not None:
             ddp_async.refuse_foreign_comm_hook(ddp)
         # Several ranks and no DDP in sight (its .module, perhaps): no gradient hook until a
-        # DDP's forward is seen running the model (ddp_async.py).
+        # DDP's forward is seen running the model (distributed/ddp.py).
         late = ddp is None and ddp_async.world_size() > 1
         pipeline.attach(self, model, accumulation_steps=accumulation_steps,
                         closes_window=closes_window, hook_grads=ddp is None and not late)
@@ -471,7 +477,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with hooks attached, refused between a backward and its step()."""
-        # (pipeline.py's pipeline checks; the FSDP2 and shard_state ones have no such record)
+        # (pipeline/hooks.py's pipeline checks; the FSDP2 and shard_state ones have no such record)
         check = getattr(self._pipeline, "check_zero_grad", None)
         if check is not None:
             check()
@@ -482,7 +488,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
         Waits for this step's updates; the device's current stream then sees the new
         weights. Re-raises any error of the step (a bad gradient, a failed update, an
-        interrupted backward) here; see adambridge/pipeline.py for what the parameters and
+        interrupted backward) here; see adambridge/pipeline/hooks.py for what the parameters and
         state are then.
         """
         if self._pipeline is None:
@@ -545,7 +551,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                     copied = "keeps its state in the NVMe tier's files, read into copies"
                 else:
                     copied = checkpoint.copied_because(key, value)
-                state[index] = distributed.saved_entry(key, value)
+                state[index] = fsdp.saved_entry(key, value)
                 handed.append((index, key, copied))
         if self._shard_group is not None:  # a collective: the whole state, on every rank
             state.update(zero.saved_state(self))
@@ -572,7 +578,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
                 new_state, new_groups, meta = zero.restore(self, state_dict)
             else:
-                new_state, new_groups, meta = distributed.restore(state_dict, self.param_groups,
+                new_state, new_groups, meta = fsdp.restore(state_dict, self.param_groups,
                                                                    params, precision, self._handed)
             if self._tier is not None:
                 new_state = self._tier.adopt(new_state)  # file-placed states go into files
@@ -611,7 +617,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             raise RuntimeError(f"{where} while hooks are attached; call opt.detach_hooks() "
                                f"first, or load with opt.load_state_dict()")
         if self._tier is not None or self._shard_group is not None or \
-                distributed.is_dtensor(p):
+                fsdp.is_dtensor(p):
             kind = ("the NVMe tier (offload_dir)" if self._tier is not None else
                     "shard_state=True" if self._shard_group is not None else "FSDP2")
             raise RuntimeError(f"{where}, which {kind} does not take (its state is not a "
@@ -659,13 +665,13 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 def _check_new_param(p: torch.Tensor, index: int) -> None:
     """What add_param_group checks of each parameter it adds."""
     check.parameter(p, index)
-    distributed.check_parameter(p, index)
+    fsdp.check_parameter(p, index)
 
 
 def _refuse_dtensors_with_offload(params: Iterable) -> None:
     """offload_dir with FSDP2 (DTensor) parameters: refused when the pairing is first seen,
     before a tier exists, so neither step() nor attach_hooks() meets it later."""
-    if any(distributed.is_dtensor(p) for p in params):
+    if any(fsdp.is_dtensor(p) for p in params):
         raise ValueError("offload_dir with FSDP2 (DTensor) parameters is not supported, in "
                          "either mode; remove offload_dir (each rank's shard then stays in "
                          "host RAM)")

@@ -3,7 +3,7 @@
 The one owner of the parameter index (the state_dict order and a key of the rounding bits),
 the layout each state was made for, lazy state creation and the record of each write-back;
 the synchronous step, the async pipeline and later tiers (shards, NVMe pages) all call these
-public methods rather than reaching into the optimizer (DESIGN.md section 8, the seams).
+public methods rather than reaching into the optimizer (docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 import torch
 
 from . import _validation as check
-from . import state as host_state
-from .codecs import stream_key
-from .functional import Hyper, UpdateItem
-from .state import can_alias_master
+from .update import state as host_state
+from .update.codecs import stream_key
+from .update.functional import Hyper, UpdateItem
+from .update.state import can_alias_master
 
 
 class ParamOwner:
@@ -27,7 +27,7 @@ class ParamOwner:
     ``_in_place_refusal`` (str or None)."""
 
     def release_plan(self) -> None:
-        """Drop the cached step plan (step_plan.py), handing its write records back first:
+        """Drop the cached step plan (sync/step_plan.py), handing its write records back first:
         while a plan runs the steps it keeps them, and ``_written`` is stale for its params."""
         plan, self._plan = self._plan, None
         if plan is not None:
@@ -112,7 +112,7 @@ class ParamOwner:
 
     def ensure_state(self, p: torch.Tensor, source: Optional[torch.Tensor] = None) -> dict:
         """p's state: made from p's values if it has none, its master refreshed if p was
-        written by anyone else since the last write-back (DESIGN.md section 8).
+        written by anyone else since the last write-back (docs/architecture.md).
 
         ``source``: p's values already copied to the host (async mode), else p is read.
         A parameter holding exactly the rounding of its master keeps the master.
@@ -121,7 +121,7 @@ class ParamOwner:
         state = self.state[p]
         if self.in_files(p):
             # NOTE: the master lives in the files, so written weights are compared with it
-            # when the tier streams p (nvme.py, Tier.commit); here only ``step`` is made.
+            # when the tier streams p (nvme/tier.py, Tier.commit); here only ``step`` is made.
             if not state:
                 self._layout[p] = (p.shape, p.dtype)
                 state = self.state[p] = self._tier.new_state(p)
@@ -186,7 +186,7 @@ def _stale_alias(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
 def _views(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
     """Whether ``master`` is already the flat view of fp32 contiguous ``p``'s elements.
 
-    NOTE: issue 13: a new view per parameter per step is one more object the cyclic GC
+    NOTE: a new view per parameter per step is one more object the cyclic GC
     tracks until the step ends. The same address means the same storage: the old view
     keeps its storage alive, so that memory cannot have been handed to another tensor.
     """

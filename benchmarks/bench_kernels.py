@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from adambridge import codecs, state as host_state
+from adambridge.update import codecs, state as host_state
 from adambridge._native import loader
-from adambridge.functional import Hyper, UpdateItem, adamw_update
+from adambridge.update.functional import Hyper, UpdateItem, adamw_update
 from adambridge.lab import trust
+from adambridge.lab.trust import medians, time_samples
 
 # Bytes per parameter each variant must move (read + write).
 #   native:  p 4+4, g 2, m/v (4+4)*2 | (2+2)*2 | (1+1)*2 + scales, out 2
@@ -140,33 +139,6 @@ def floor_variant(scratch: Buffers, precision: str) -> Callable[[], None]:
     moments for the next timed update."""
     items = items_for(scratch, precision, 1)
     return lambda: loader.memory_pass(items)
-
-
-def time_samples(variants: dict, repeats: int, monitor: Optional[trust.LoadMonitor] = None) -> dict:
-    """Every variant's seconds per repeat, interleaved (A B C ... A B C ...) after a warm-up run
-    of each; the machine's load is read before each timed run (outside it)."""
-    for run in variants.values():  # warm up: page faults, pool start, JIT
-        run()
-    samples = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, run in variants.items():
-            if monitor is not None:
-                monitor.sample()
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
-    return samples
-
-
-def medians(samples: dict) -> dict:
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def time_interleaved(variants: dict, repeats: int, threads: int) -> tuple:
-    """The median seconds of each variant, and whether the timings can be trusted."""
-    monitor = trust.LoadMonitor(threads)
-    samples = time_samples(variants, repeats, monitor)
-    return medians(samples), trust.judge(samples, monitor)
 
 
 def report(numel: int, threads: int, medians: dict, bytes_per: dict, verdict: trust.Trust) -> None:

@@ -20,7 +20,7 @@ a noisy machine slows all alike, each reported as a median:
   one core and the memory bandwidth the virtual disk copies through);
 - fio (when installed): a mixed sequential read/write of the same bytes, direct=1, libaio.
 
-Goals (issue 14): tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
+Goals: tier >= 0.85 of the raw floor's speed, and tier step <= 1.1x
 max(raw floor, in-RAM step), where the floor is the best of the two raw loops and fio: the
 best the disk gives. Before timing, the tier is checked bit for bit against RAM.
 """
@@ -45,11 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adambridge import AdamBridge  # noqa: E402
 from adambridge.lab import trust  # noqa: E402
-from adambridge.nvme import OffloadConfig  # noqa: E402
-from adambridge.nvme_engine import open_engine  # noqa: E402
-from adambridge.nvme_io import AlignedBuffer  # noqa: E402
-from adambridge.nvme_layout import PageLayout  # noqa: E402
-from adambridge.nvme_stream import PageStream, StreamJob  # noqa: E402
+from adambridge.nvme.tier import OffloadConfig  # noqa: E402
+from adambridge.nvme.engine import open_engine  # noqa: E402
+from adambridge.nvme.direct_io import AlignedBuffer  # noqa: E402
+from adambridge.nvme.layout import PageLayout  # noqa: E402
+from adambridge.nvme.stream import PageStream, StreamJob  # noqa: E402
 
 
 def _numel(text: str) -> int:

@@ -11,7 +11,7 @@ path is checked against step() bit for bit on the same model.
   python benchmarks/bench_step.py --preset cpu --precisions bf16 --hyper-costs  # lr writes
 
 "sync" is step() on the device's parameters: one pinned staging buffer each way and one
-stream sync per step (sync_transfer.py). The sweep grows tokens per step (batch x 1024) and
+stream sync per step (sync/transfer.py). The sweep grows tokens per step (batch x 1024) and
 reports where async comes within 1.05x of all-GPU AdamW, with its GPU peak as a fraction of
 AdamW's; host MiB include the page-locked staging (opt.host_memory_bytes()).
 

@@ -4,12 +4,12 @@
     python benchmarks/bench_kernels.py --numel 10M --tensors 1000 --threads 2
 
 fp32 parameters, fp32 gradients and fp32 moments (the master is the parameter, no copy), as in
-issue 13. Rows, interleaved, medians:
+Rows, interleaved, medians:
 - native, one tensor: one range of numel elements, one call;
 - native, N tensors, NativeBatch: the descriptors built once, per step only the stream keys
   and hyperparameters refreshed (what a caller that caches its batch pays);
 - native, N tensors, adamw_update: N UpdateItems built and packed every step (what the
-  optimizer's full path pays below its own per-parameter Python, before issue 13's plan);
+  optimizer's full path pays below its own per-parameter Python, before the cached step plan);
 - AdamBridge.step(), N parameters: the whole optimizer step, its gradients the same tensors
   every step (the cached step plan refreshes keys and hyperparameters only), and the same with
   the plan's checks made by its Python passes instead of the native ones (csrc_torch/), as on
@@ -31,9 +31,11 @@ import sys
 
 import torch
 
-from adambridge import AdamBridge, codecs, step_plan
-from adambridge import state as host_state
-from adambridge.functional import Hyper, NativeBatch, UpdateItem, adamw_update, stream_keys
+from adambridge import AdamBridge
+from adambridge.update import codecs
+from adambridge.sync import step_plan
+from adambridge.update import state as host_state
+from adambridge.update.functional import Hyper, NativeBatch, UpdateItem, adamw_update, stream_keys
 
 SEED = 0
 
@@ -155,12 +157,12 @@ def validate(count: int) -> None:
 
 
 def main(numel: int, count: int, threads: int, repeats: int) -> None:
-    from bench_kernels import time_interleaved
-    from adambridge._native import loader, torch_facts
+    from adambridge.lab.trust import time_interleaved
+    from adambridge._native import loader, plan_checks
     validate(min(count, 500))
     # Built (or loaded from the cache) now, so every plan below starts with native checks.
-    if torch_facts.load() is None:
-        print(f"note: no native plan checks here ({torch_facts.unavailable_reason()})")
+    if plan_checks.load() is None:
+        print(f"note: no native plan checks here ({plan_checks.unavailable_reason()})")
     many, one = Params(numel, count), Params(numel, 1)
     variants = {
         "native, one tensor": rebuilt_variant(one),
@@ -232,7 +234,7 @@ def validate_pipeline(count: int) -> None:
 
 
 def pipeline_main(count: int, repeats: int) -> None:
-    from bench_kernels import time_interleaved
+    from adambridge.lab.trust import time_interleaved
     validate_pipeline(min(count, 200))
     chains = {
         "forward + backward, no hooks": Chain(count, "plain"),

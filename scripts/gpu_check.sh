@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA evidence in one run (issue 11): every GPU test and the GPU benchmark with its
+# The CUDA evidence in one run: every GPU test and the GPU benchmark with its
 # tokens-per-step sweep, on a fresh single-GPU machine with no network.
 #
 #   scripts/gpu_check.sh OUT_DIR        (default: $OUT, else ./gpu_check_out)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer job: build tests/native/selftest.c with AddressSanitizer and UndefinedBehaviorSanitizer
 # and run it. Any report is fatal (-fno-sanitize-recover), so undefined behaviour that x86
-# happens to tolerate (a misaligned store, a signed overflow) still fails CI. Issue 10.
+# happens to tolerate (a misaligned store, a signed overflow) still fails CI.
 #
 # Usage: scripts/sanitize.sh            (CC picks the compiler; default cc)
 set -euo pipefail

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import adambridge
-from adambridge import nvme_layout, platform_facts
+from adambridge.nvme import layout
+from adambridge.host import platform_facts
 from adambridge._native import build, loader
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -175,7 +176,7 @@ def check_tier() -> None:
             except ValueError as exc:
                 check(f"offload_dir {precision}: a second optimizer is locked out",
                       "in use by another optimizer" in str(exc), str(exc))
-            committed = nvme_layout.read_committed(path)
+            committed = layout.read_committed(path)
             saved = tier[1].state_dict()["state"]
             check(f"offload_dir {precision}: read_committed finds the last step",
                   bool(committed) and all(int(s["step"]) == 3 for s in committed.values())

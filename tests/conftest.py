@@ -3,10 +3,21 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import warnings
 
 import pytest
 import torch
+
+# NOTE: the tests live in folders that mirror the package; shared helpers (tests/helpers) and a
+# test module another one imports (its twins, its fixtures) are found by name from anywhere,
+# as rank workers spawned by torch.multiprocessing find them (they inherit sys.path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+from _test_paths import folders  # noqa: E402
+
+for _folder in reversed(folders()):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 # NOTE: tests that assume a POSIX system say which part, so the suite runs on Windows too
 # and names what it left out there.

@@ -10,7 +10,7 @@ ISA files that fail to compile (an old compiler) are dropped, not fatal: the oth
 
 Every compiler call runs in its own process group under one deadline per build
 (``ADAMBRIDGE_BUILD_TIMEOUT`` seconds, default 120): a compiler that never returns is killed
-with everything it started, and the build fails with one line naming it (issue 10).
+with everything it started, and the build fails with one line naming it.
 
 Standard library only; importing this module compiles nothing.
 """
@@ -200,7 +200,7 @@ def _run(argv: list, cwd: Optional[Path] = None, timeout: Optional[float] = None
     """argv's output; on subprocess.TimeoutExpired (or Ctrl-C) it is killed with all it started.
 
     NOTE: its own session, so one killpg reaches cc1, as and ld too; killing the direct child
-    alone leaves them holding the output pipes, and reading those would block (issue 10).
+    alone leaves them holding the output pipes, and reading those would block.
     """
     proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace",

@@ -106,7 +106,7 @@ def _load_verified(built: build.Built) -> ctypes.CDLL:
 
 def _dlopen(src_dir: Optional[Path] = None, cache_dir: Optional[Path] = None,
             planner=None) -> tuple[ctypes.CDLL, build.Built]:
-    """CDLL of the verified library (issue 10); planner: see cache.build (torch_facts.py).
+    """CDLL of the verified library; planner: see cache.build (_native/plan_checks.py).
 
     A cached library that is damaged (its hash does not match) or does not load is deleted and
     rebuilt, with one warning; one that another user could have changed is never loaded: a
@@ -223,7 +223,7 @@ def reset() -> None:
 # ab_tensor, filled column by column from Python lists (one torch.tensor per column) instead
 # of one ctypes.Structure per item: the per-item Python is then a few attribute reads and the
 # pointer checks, and a batch built once (functional.NativeBatch) refreshes only the columns
-# that change per step (issue 13: 10,000 small tensors as cheap as one).
+# that change per step (10,000 small tensors as cheap as one).
 
 _DTYPE_NAMES = {"float32": 0, "bfloat16": 1, "float16": 2}           # enum ab_dtype
 _PRECISIONS = {"fp32": (0, 4, 4), "bf16": (1, 2, 2), "fp8": (2, 1, 1)}  # enum, m and v bytes
@@ -310,7 +310,7 @@ def _append_row(item, words: list, codes: list) -> None:
               int(bool(item.stochastic_rounding)))
 
 
-# NOTE: issue 13: the async pipeline on CPU often updates one landed gradient per wake-up;
+# NOTE: the async pipeline on CPU often updates one landed gradient per wake-up;
 # a few rows pack faster one struct at a time (about 5 us a row) than column by column with
 # torch ops (about 28 us for one row), which win from a few dozen rows on.
 _SMALL_BATCH = 16
@@ -347,7 +347,7 @@ def descriptors(items):
     return desc
 
 
-# NOTE: issue 13: rows of hyperparameter columns written per call, so each write stays under
+# NOTE: rows of hyperparameter columns written per call, so each write stays under
 # torch's parallel grain (32768 elements) and runs inline: an OpenMP region over 10,000 rows
 # took 6-13 ms on the shared 2-vCPU VM (its second thread waits for a busy CPU), 20 us inline.
 _ROWS_INLINE = 4096
@@ -399,7 +399,7 @@ def _grad_columns(grads: list, numels: Optional[list]) -> tuple[list, list]:
     """(pointers, dtypes) of the gradients, each checked as _grad_pointer checks it; with
     ``numels`` None the caller has checked every element count (equal shapes, say).
 
-    NOTE: issue 13: one pass per property over all gradients (C-level map) instead of one
+    NOTE: one pass per property over all gradients (C-level map) instead of one
     Python call per gradient; any failure is reported by the per-gradient check.
     """
     import torch
@@ -524,7 +524,7 @@ def l2_cache_bytes() -> int:
     native = native_or_none()
     found = native.lib.ab_l2_cache_bytes() if native else 0
     if found <= 0:
-        from .. import topology
+        from ..host import topology
         found = topology.l2_cache_bytes()
     return int(found)
 

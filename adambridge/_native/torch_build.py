@@ -8,7 +8,7 @@ library. It is published, verified and loaded by the same cache as the kernel (c
 trusted.py), under its own key directory.
 
 A machine without a C++ compiler or torch headers simply has no such library: the step plan
-then does its checks in Python, with the same results (step_plan.py).
+then does its checks in Python, with the same results (sync/step_plan.py).
 
 Standard library and torch only; importing this module compiles nothing.
 """
@@ -27,7 +27,7 @@ from . import build
 from .build import Compiler, NativeBuildError, Plan, Unit
 
 CSRC_TORCH = Path(__file__).resolve().parent.parent / "csrc_torch"
-SOURCE = "step_facts.cpp"
+SOURCE = "plan_checks.cpp"
 LIB_NAME = "libadambridge_torch" + (".dylib" if sys.platform == "darwin" else ".so")
 CXX_CANDIDATES = (("c++",), ("g++",), ("clang++",))  # after $ADAMBRIDGE_CXX
 CXX_COMPILE = ("-O2", "-fPIC", "-std=c++20",  # torch builds its extensions as C++20

@@ -1,7 +1,7 @@
 """Verified opening of cache files: the directory-fd walk, owner and mode checks, the content hash, and dlopen of that very file.
 
 The library in the cache is code that runs in this process, so no other local user may choose
-it (issue 10). A cache path is therefore never trusted by name. It is walked from ``/`` with one
+it. A cache path is therefore never trusted by name. It is walked from ``/`` with one
 directory file descriptor per component (``O_DIRECTORY | O_NOFOLLOW``), and each component is
 accepted only when it is owned by this user or root and nobody else can rename its entries: not
 group- or world-writable, unless sticky like ``/tmp``. The last directory must be this user's
@@ -113,7 +113,7 @@ def _make_dir(dir_fd: int, name: str) -> None:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
     except FileExistsError:
         return  # made meanwhile (a concurrent build); the open and checks that follow judge it
-    # NOTE: mkdir's mode is masked by the umask; this makes it exactly 0700 (issue 10). The
+    # NOTE: mkdir's mode is masked by the umask; this makes it exactly 0700. The
     # parent was verified, so no other user can have swapped the name since mkdir.
     os.chmod(name, 0o700, dir_fd=dir_fd)
 

@@ -2,7 +2,7 @@
  *
  * Stateless: every call passes pointers, sizes, hyperparameters and the step's stream key.
  * Python owns every buffer. The only C-side object is a persistent thread pool.
- * The arithmetic is specified in docs/numerics.md; adambridge/reference.py is its torch twin.
+ * The arithmetic is specified in docs/numerics.md; adambridge/update/reference.py is its torch twin.
  * Every function returns 0 on success or a negative AB_E* code (see ab_strerror).
  */
 #ifndef ADAMBRIDGE_H

@@ -1,6 +1,6 @@
 /* codecs.h: the scalar arithmetic, codecs and counter hash shared by every ISA file.
  *
- * This header is the C twin of adambridge/codecs.py. Every function here implements one line
+ * This header is the C twin of adambridge/update/codecs.py. Every function here implements one line
  * of docs/numerics.md bit for bit; the SIMD kernels (kernel_avx2.c, kernel_avx512.c,
  * kernel_neon.c) do the same arithmetic on vectors and fall back to these for their tails.
  * Everything is static inline so each ISA file (and the unity build in tests/native/selftest.c)
@@ -293,7 +293,7 @@ AB_INLINE void ab_store_out(void *out, int64_t i, float p, int dtype)
 /* NOTE: how far ahead (in elements) the SIMD loops prefetch their read streams. The update
  * alternates compute-heavy stretches (divide, sqrt, hash, codecs) with loads; without help
  * the hardware prefetchers let the memory system idle during the former, and bf16 moments
- * reached 0.68-0.71 of their own floor on the 2-vCPU Xeon (AVX-512) of issue 13; prefetching
+ * reached 0.68-0.71 of their own floor on the 2-vCPU Xeon (AVX-512); prefetching
  * 1024 elements ahead (4 KB of master) brought it to 0.95-0.97 in the same runs. A prefetch
  * never faults, so running past the end of a buffer is harmless. */
 #ifndef AB_PREFETCH

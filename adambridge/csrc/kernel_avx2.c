@@ -278,7 +278,7 @@ typedef struct {
     __m256i idx;             /* lo32 of the global indices of the next 8 elements to encode */
 } avx2_fp8_pending;
 
-/* NOTE (pass 1, issue 13): the block maxima are unsigned integer maxima of the patterns of |m|
+/* NOTE (pass 1): the block maxima are unsigned integer maxima of the patterns of |m|
  * and s: for non-negative finite floats the order of the patterns is the order of the values,
  * so the result is the same float. A non-finite |m| or s (or an s with its sign bit set: -0 or
  * a negative NaN, possible only with beta2 > 1) has a pattern >= 0x7f800000, and then the

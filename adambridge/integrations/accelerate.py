@@ -16,7 +16,7 @@ backward, so the hooks update exactly on the backward that closes the window, an
 ``accelerator.clip_grad_norm_`` ends in ``torch.nn.utils.clip_grad_norm_``, which the
 optimizer answers while hooks are attached. Several processes: ``prepare`` wraps the model
 in DistributedDataParallel, whose all-reduced buckets the optimizer updates from (its comm
-hook, see distributed.py), so the hooks go on that wrapper; ``accumulate`` runs the other
+hook, see distributed/fsdp.py), so the hooks go on that wrapper; ``accumulate`` runs the other
 micro-batches under ``no_sync``, so nothing is reduced or updated before the closing one. ``save_state`` / ``load_state`` go through
 ``state_dict`` / ``load_state_dict`` and may be called with hooks attached.
 

@@ -103,4 +103,4 @@ def _refuse_async_settings(args: Any) -> None:
         raise ValueError(f"{_WHO}(async_mode=True) does not support TrainingArguments.fsdp "
                          f"(FSDP shards gradients after the hooks run); use async_mode=False")
     # Several processes otherwise mean DDP, which the optimizer follows itself: it updates
-    # from DDP's all-reduced buckets (distributed.py), found from the model it is given.
+    # from DDP's all-reduced buckets (distributed/fsdp.py), found from the model it is given.

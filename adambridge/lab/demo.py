@@ -122,7 +122,7 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
 
 def state_bytes_per_param(opt: Any, numel: int) -> float:
     """Bytes the optimizer holds per parameter (AdamBridge: its host state and its
-    page-locked staging, which cannot be swapped out: issue 11 item 10)."""
+    page-locked staging, which cannot be swapped out)."""
     if hasattr(opt, "host_memory_bytes"):
         return opt.host_memory_bytes()["total"] / numel
     nbytes = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))

@@ -77,7 +77,7 @@ def _test_targets(name: str, value: Any) -> list:
     # its input still goes onto a command line.
     targets = [str(t) for t in value] if isinstance(value, list) else str(value).split()
     if not targets or any(t.startswith("-") for t in targets):
-        raise PresetError(f"Invalid option {name}: {value!r} (test paths such as tests/test_cli.py)")
+        raise PresetError(f"Invalid option {name}: {value!r} (test paths such as tests/project/test_cli.py)")
     return targets
 
 

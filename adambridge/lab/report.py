@@ -105,9 +105,9 @@ def verdicts_line(runs: Sequence[Mapping], reference: str, band: Optional[float]
 def machine_facts() -> dict:
     """Machine, versions, ISA and threads, from the facts `python -m adambridge info` prints."""
     import torch
-    from .. import cli
-    native, native_ok = cli.native_facts()
-    facts = dict(cli.environment_facts() + native + cli.topology_facts())
+    from .. import diagnostics
+    native, native_ok = diagnostics.native_facts()
+    facts = dict(diagnostics.environment_facts() + native + diagnostics.topology_facts())
     pick = lambda *names: {n: str(facts[n]) for n in names if n in facts}  # noqa: E731
     return dict(
         machine=dict(cpu=_cpu_name(), cpus=os.cpu_count(), **pick("platform", "allowed cpus",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -122,3 +123,33 @@ def judge(samples: Mapping[str, Sequence[float]], monitor: Optional[LoadMonitor]
         checked += " (the machine's load could not be read)"
     figures.update(trusted=not reasons, reasons=reasons, checked=checked)
     return Trust(tuple(reasons), figures)
+
+
+# --------------------------------------------------------------------------- interleaved timing
+
+
+def time_samples(variants: dict, repeats: int, monitor: Optional[LoadMonitor] = None) -> dict:
+    """Every variant's seconds per repeat, interleaved (A B C ... A B C ...) after a warm-up run
+    of each; the machine's load is read before each timed run (outside it)."""
+    for run in variants.values():  # warm up: page faults, pool start, JIT
+        run()
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            if monitor is not None:
+                monitor.sample()
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def medians(samples: dict) -> dict:
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def time_interleaved(variants: dict, repeats: int, threads: int) -> tuple:
+    """The median seconds of each variant, and whether the timings can be trusted."""
+    monitor = LoadMonitor(threads)
+    samples = time_samples(variants, repeats, monitor)
+    return medians(samples), judge(samples, monitor)

@@ -11,8 +11,8 @@ def update_items(numel: int, precision: str, *, step: int = 1, seed: int = 0,
     """One UpdateItem of ``numel`` elements: fp32 master, bf16 gradient and weight copy, and
     the moments of ``precision``, as an optimizer with bf16 parameters hands the kernel
     (``random`` False: zeros, for the probe, which only streams the bytes)."""
-    from .. import codecs, state as host_state
-    from ..functional import UpdateItem
+    from ..update import codecs, state as host_state
+    from ..update.functional import UpdateItem
     gen = torch.Generator().manual_seed(seed)
     master = host_state.host_empty(numel, torch.float32)
     grad = host_state.host_empty(numel, torch.bfloat16)
@@ -33,11 +33,11 @@ def update_items(numel: int, precision: str, *, step: int = 1, seed: int = 0,
 
 def next_step(items: list, step: int) -> list:
     """The same buffers for update number ``step`` (new bias corrections and rounding key)."""
-    from .. import codecs
+    from ..update import codecs
     return [dataclasses.replace(item, hyper=_hyper(step), key=codecs.stream_key(0, step, 0))
             for item in items]
 
 
 def _hyper(step: int):
-    from ..functional import Hyper
+    from ..update.functional import Hyper
     return Hyper.for_step(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step)

@@ -73,7 +73,7 @@ def run_check(bw_gbps: float, bw_source: str, precisions: Sequence[str] = ar.PRE
     ``bw_gbps`` and ``bw_source`` (the plan's own, measured earlier) are reported beside them.
     """
     from .._native import loader
-    from ..functional import adamw_update
+    from ..update.functional import adamw_update
     from . import buffers, probes
     reason = probes.native_unavailable()
     if reason is not None:

@@ -205,7 +205,7 @@ def host_ram_gb() -> Optional[float]:
 def resolve_host(*, bw_gbps: Optional[float] = None, ram_gb: Optional[float] = None,
                  numa_nodes: Optional[int] = None, update_ns: Optional[tuple] = None) -> HostSpec:
     """This host, measured where a number is not given."""
-    from .. import topology
+    from ..host import topology
     host = topology.host_topology()
     cpus = tuple(len(node.cpus) for node in host.nodes) or (len(host.allowed_cpus) or os.cpu_count() or 1,)
     if bw_gbps is None:

@@ -54,7 +54,7 @@ def ceiling_ns(batch: list, step: int) -> float:
     NOTE: on a host with few cores per memory channel, fp8's decode, hash and encode take
     longer than its 16 bytes of DRAM traffic; bandwidth alone then predicts it too fast.
     """
-    from ..functional import adamw_update
+    from ..update.functional import adamw_update
     numel = sum(item.numel for item in batch)
     fastest = float("inf")
     for call in range(CEILING_CALLS):

@@ -1,4 +1,4 @@
-"""CUDA graph capture with hooks attached is refused in the hook (issue 11 item 12).
+"""CUDA graph capture with hooks attached is refused in the hook.
 
 In its own file (its own process under scripts/gpu_check.sh): an aborted capture can leave
 the CUDA context unusable for whatever runs after it.

@@ -1,4 +1,4 @@
-"""Stream ordering on a real GPU (issue 11): each test delays one side of a wait, or reuses
+"""Stream ordering on a real GPU: each test delays one side of a wait, or reuses
 freed memory, so that a missing wait or record_stream changes bits; the reference is step().
 
 Race-exposing shapes (as in test_cuda_pipeline.py): the compute stream sleeps before every
@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from adambridge import AdamBridge, worker  # noqa: E402
-from adambridge.transport import CudaTransport  # noqa: E402
+from adambridge import AdamBridge
+from adambridge.pipeline import worker  # noqa: E402
+from adambridge.pipeline.transport import CudaTransport  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -279,7 +280,7 @@ def test_cuda_order_memory_is_flat_and_release_grads_lowers_the_backward_peak():
 
 
 def test_cuda_order_failed_registration_clears_the_error_and_raises_at_step_sync(monkeypatch):
-    from adambridge import pinned
+    from adambridge.host import pinned
     # Invalid flags make the real cudaHostRegister fail and leave its error pending.
     monkeypatch.setattr(pinned, "_REGISTER_PORTABLE", 0x7FFF0000)
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
@@ -323,7 +324,7 @@ def _assert_like_adamw(ours, opt, ref, ref_opt) -> None:
 
 
 def test_cuda_sync_step_matches_torch_adamw_per_element():
-    # step() on CUDA parameters: one pinned staging buffer each way (sync_transfer.py).
+    # step() on CUDA parameters: one pinned staging buffer each way (sync/transfer.py).
     init, grads = _init_and_grads(20)
     ref = [nn.Parameter(t.clone().cuda()) for t in init]
     ours = [nn.Parameter(t.cuda()) for t in init]  # keeps the non-contiguous layout
@@ -380,7 +381,7 @@ def test_cuda_sync_step_bf16_equals_the_same_step_on_the_cpu():
 
 
 def test_cuda_64_adjacent_registered_buffers_are_all_pinned():
-    from adambridge import pinned
+    from adambridge.host import pinned
     # 1-4 MiB blocks that malloc places next to each other: registrations sharing a page
     # would fail (cudaErrorHostMemoryAlreadyRegistered) or leave a buffer pageable.
     sizes = [(1 << 19) + i * 24_579 for i in range(64)]  # bf16 elements: 1 MiB .. ~4 MiB

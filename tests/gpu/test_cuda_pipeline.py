@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from adambridge import AdamBridge  # noqa: E402
-from adambridge import pinned  # noqa: E402
+from adambridge.host import pinned  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

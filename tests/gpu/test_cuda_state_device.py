@@ -1,6 +1,6 @@
 """Lightning's resume on a GPU moves the optimizer state there: it must stay on the host.
 
-tests/test_state_device.py stands in with the meta device on CPU machines; here the real
+tests/optimizer/test_state_device.py stands in with the meta device on CPU machines; here the real
 thing: ``_optimizer_to_device(opt, "cuda")`` after load_state_dict writes the device copies'
 values into the host tensors, and the resumed run equals an uninterrupted one bit for bit.
 """

@@ -1,5 +1,5 @@
 /* selftest_golden.c: the golden checks of selftest.c (known hash values, a golden fp32 step
- * computed with numpy, and the golden values of tests/test_golden.py worked out from
+ * computed with numpy, and the golden values of tests/update/test_golden.py worked out from
  * docs/numerics.md). Included by selftest.c after its helpers; not a translation unit. */
 
 /* ---- hash, golden step ---------------------------------------------------------------------- */
@@ -48,7 +48,7 @@ static void check_golden(void)
     }
 }
 
-/* The golden values of tests/test_golden.py, worked out there from docs/numerics.md in plain
+/* The golden values of tests/update/test_golden.py, worked out there from docs/numerics.md in plain
  * Python: the hash, and three steps of five elements (one meeting an inf gradient at step 2)
  * in each precision, bf16 copy included. Every ISA must store exactly these bits. */
 static uint32_t spec_key(uint64_t seed, uint32_t step, uint32_t param_index)
@@ -73,7 +73,7 @@ static void check_golden_spec_hash(void)
     }
 }
 
-/* GOLDEN_FP8_SUBNORMAL of tests/test_golden.py: where section 3's multiply onto the fp32 grid
+/* GOLDEN_FP8_SUBNORMAL of tests/update/test_golden.py: where section 3's multiply onto the fp32 grid
  * rounds (numerics version 3), in the scalar codec every ISA's tails use. */
 static void check_golden_fp8_subnormal(void)
 {

@@ -72,7 +72,7 @@ def copies(model: torch.nn.Module) -> list:
 
 # --------------------------------------------------------------------------- shared settings
 
-RTOL, ATOL = 1e-6, 1e-7  # DESIGN.md section 3: fp32 moments equal torch.optim.AdamW
+RTOL, ATOL = 1e-6, 1e-7  # docs/numerics.md: fp32 moments equal torch.optim.AdamW
 PRECISIONS = ("fp32", "bf16", "fp8")
 MODES = ("sync", "async")
 
@@ -124,7 +124,7 @@ def master_of(opt, p: torch.Tensor) -> torch.Tensor:
 def assert_matches_adamw(opt, params, ref, ref_opt, *, moments: bool = True,
                          what: str = "") -> None:
     """fp32 moments: master (and the parameter, where fp32) and both moments equal AdamW's
-    element by element within DESIGN.md's tolerance; a low-precision parameter is its
+    element by element within the tolerance of docs/numerics.md; a low-precision parameter is its
     master rounded to nearest even, bit for bit."""
     for i, (p, r) in enumerate(zip(params, ref)):
         master = master_of(opt, p)

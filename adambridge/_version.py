@@ -1,0 +1,2 @@
+"""The package version (pyproject.toml says the same)."""
+__version__ = "0.1.0"

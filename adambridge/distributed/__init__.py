@@ -1,0 +1,1 @@
+"""torch.distributed: FSDP2 shards, shard_state (ZeRO-2 style) and their async modes."""

@@ -1,0 +1,1 @@
+"""The host machine: the OS calls it has, its CPUs and NUMA nodes, host memory."""

@@ -1,0 +1,37 @@
+"""What an optimizer holds in host memory, by kind.
+
+``host_state_bytes()`` counts the optimizer state only (masters and moments). The copies
+to and from a device also need page-locked staging, which the OS can never swap out: two
+buffers per hooked parameter in async mode (+4 B/param for bf16 parameters) and two reused
+buffers per device for a synchronous step() on a device. B/param figures must include it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .sync import transfer
+
+
+def breakdown(opt: Any) -> dict[str, int]:
+    """{'state', 'pinned_staging', 'writeback', 'kept', 'total'} in bytes.
+
+    state: masters and moments; pinned_staging: page-locked buffers (attach_hooks'
+    transports and step()'s device staging); writeback: pageable buffers the kernel
+    writes the rounded weights of non-contiguous parameters into; kept: the copies of
+    master and moments async mode keeps to redo an update made during backward (while
+    clipping is expected, after a hyperparameter written after backward, or a skipped
+    batch), reused every step.
+    """
+    pinned, kept = transfer.staging_bytes(opt), 0
+    pipeline = getattr(opt, "_pipeline", None)
+    if pipeline is not None:
+        pinned += sum(lane.transport.staging_bytes() for lane in pipeline.lanes.values()
+                      if hasattr(lane.transport, "staging_bytes"))
+        kept = pipeline.kept_bytes() if hasattr(pipeline, "kept_bytes") else 0
+    writeback = sum(t.numel() * t.element_size() for t in getattr(opt, "_writeback", {}).values()
+                    if isinstance(t, torch.Tensor))
+    state = opt.host_state_bytes()
+    return dict(state=state, pinned_staging=pinned, writeback=writeback, kept=kept,
+                total=state + pinned + writeback + kept)

@@ -1,0 +1,1 @@
+"""Asynchronous mode: hooks, workers and transports, and the step-wide facts."""

@@ -1,0 +1,275 @@
+"""Routes torch's gradient clipping and GradScaler's unscale to attached pipelines.
+
+In asynchronous mode a gradient leaves ``p.grad`` (``release_grads=True``) as soon as its
+copy lands, so ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler.unscale_`` would find
+nothing and silently clip or unscale nothing. Every framework reaches them through the
+same few torch entry points (HF Trainer and accelerate through ``accelerator.clip_grad_norm_``,
+Lightning through ``precision.clip_gradients``, all of them through ``GradScaler``), so while
+at least one pipeline is attached those entry points are wrapped:
+
+- ``clip_grad_norm_`` / ``clip_grads_with_norm_`` / ``clip_grad_value_`` over parameters
+  that an attached pipeline hooks are answered by that pipeline (exact clipping of the
+  host gradients, see pipeline/step_wide.py); every other call goes to torch unchanged. torch's own
+  ``clip_grad_norm_``, bound by name before the wrappers went in, still calls clip_grad.py's
+  ``_clip_grads_with_norm_`` helper, which is wrapped too, and is answered from there.
+- ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
+  pipeline (unscale and inf check of the host gradients).
+- accelerate (from 1.16) no longer calls ``clip_grad_norm_``: its
+  ``Accelerator._clip_grad_norm_dtensor_aware`` keeps the parameters whose ``p.grad`` is set,
+  takes ``get_total_norm`` of those and clips them with ``clip_grads_with_norm_``, so the
+  released gradients would be left out of the norm and of the clip. Where accelerate is
+  imported, that method is wrapped too, and parameters a pipeline owns are answered as
+  ``clip_grad_norm_`` is.
+
+The wrappers are installed by the first attach and removed by the last detach.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import weakref
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad_module
+
+from . import step_wide
+
+_lock = threading.Lock()
+_pipelines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_originals: dict = {}
+_generation = [0]  # bumped by every register/unregister (check_sync_step's cache)
+
+
+def _params(parameters: Any) -> list:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def _claims(pipeline: Any, p: torch.Tensor) -> bool:
+    # Ownership, not only a hook: a parameter under small_param_threshold has no hook, but
+    # once its step is settled (e.g. by GradScaler.unscale_) its gradient has left p.grad
+    # too, and only the pipeline still has it. (The distributed pipelines own what they hook.)
+    owns = getattr(pipeline, "owns", None)
+    return owns(p) if owns is not None else pipeline.hooks(p)
+
+
+def _owners(params: list) -> list:
+    """The attached pipelines owning any of ``params``, each once."""
+    return list({id(pl): pl for pl in list(_pipelines) for p in params
+                 if _claims(pl, p)}.values())
+
+
+def _split(owners: list, params: list) -> list:
+    """Each owner's share of ``params``; the first also takes the parameters nobody owns
+    (its clip treats them as torch would, on p.grad), so no gradient is clipped twice."""
+    shares = [[p for p in params if _claims(pl, p)] for pl in owners]
+    claimed = {id(p) for share in shares for p in share}
+    shares[0] += [p for p in params if id(p) not in claimed]
+    return shares
+
+
+def _clip_norm(params: list, max_norm: float, norm_type: float,
+               error_if_nonfinite: bool) -> Optional[torch.Tensor]:
+    """clip_grad_norm_ answered by the owning pipeline(s); None when none owns a parameter."""
+    owners = _owners(params)
+    if not owners:
+        return None
+    if len(owners) == 1:
+        return owners[0].clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
+    # Several optimizers with hooks: one total norm over all of them, as torch takes it (the
+    # per-tensor norms in the order of ``params``), then each clips its share with it.
+    shares = _split(owners, params)
+    grads: dict = {}
+    for pl, share in zip(owners, shares):
+        grads.update(zip(map(id, share), pl.settled_grads(share)))
+    norms = [step_wide.vector_norm(grads[id(p)], norm_type) for p in params
+             if grads.get(id(p)) is not None]
+    total = step_wide.total_norm(norms, norm_type)
+    if error_if_nonfinite:
+        step_wide.check_finite_norm(total, norm_type)
+    for pl, share in zip(owners, shares):
+        pl.clip_with_norm(share, max_norm, total, report_norm=True)
+    return total.to(params[0].device)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    params = _params(parameters)
+    total = _clip_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)
+    if total is None:
+        return _originals["clip_grad_norm_"](params, max_norm, norm_type,
+                                             error_if_nonfinite, foreach)
+    return total
+
+
+def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                          foreach: Optional[bool] = None) -> None:
+    params = _params(parameters)
+    owners = _owners(params)
+    if not owners:
+        return _originals["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+    caller = sys._getframe(1)
+    if caller.f_code is _torch_clip_grad_norm_code():
+        # torch's own clip_grad_norm_, bound before attach_hooks (`from torch.nn.utils import
+        # clip_grad_norm_`): its total_norm left out the released gradients. Answer as the
+        # routed function does, and give torch's caller that norm in the tensor it returns.
+        args = caller.f_locals
+        norm = _clip_norm(params, float(max_norm), float(args["norm_type"]),
+                          bool(args["error_if_nonfinite"]))
+        total_norm.copy_(norm)
+        return None
+    for pl, share in zip(owners, _split(owners, params)):
+        pl.clip_with_norm(share, float(max_norm), total_norm)
+    return None
+
+
+def _torch_clip_grad_norm_code() -> Any:
+    """The code object of torch's own clip_grad_norm_ (under its no-grad decorator)."""
+    return inspect.unwrap(_originals["clip_grad_norm_"]).__code__
+
+
+def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
+    params = _params(parameters)
+    owners = _owners(params)
+    if not owners:
+        return _originals["clip_grad_value_"](params, clip_value, foreach)
+    for pl, share in zip(owners, _split(owners, params)):  # element-wise: shares are exact
+        pl.clip_value(share, float(clip_value))
+    return None
+
+
+def _unscale_grads_(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+    pipeline = getattr(optimizer, "_pipeline", None)
+    if pipeline is None or pipeline not in _pipelines:
+        return _originals["_unscale_grads_"](scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    return pipeline.unscale_grads(inv_scale, found_inf, allow_fp16)
+
+
+def _accelerate_clip(accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2,
+                     foreach: Optional[bool] = None) -> torch.Tensor:
+    params = _params(parameters)
+    if not _owners(params):
+        return _originals["accelerate"](accelerator, params, max_norm, norm_type=norm_type,
+                                        foreach=foreach)
+    return clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
+
+
+_ACCELERATE_CLIP = "_clip_grad_norm_dtensor_aware"  # the method accelerate's clip_grad_norm_ ends in
+
+
+def _accelerator_class() -> Any:
+    """accelerate's Accelerator where accelerate is imported and filters on p.grad, else None
+    (not imported here: a framework that uses it has imported it before attach_hooks)."""
+    module = sys.modules.get("accelerate.accelerator")
+    cls = getattr(module, "Accelerator", None)
+    return cls if cls is not None and _ACCELERATE_CLIP in vars(cls) else None
+
+
+def _install_accelerate() -> None:
+    cls = _accelerator_class()
+    if cls is not None and "accelerate" not in _originals:
+        _originals["accelerate"] = vars(cls)[_ACCELERATE_CLIP]
+        setattr(cls, _ACCELERATE_CLIP, _accelerate_clip)
+
+
+_WRAPPERS = {
+    "clip_grad_norm_": clip_grad_norm_,
+    "clip_grads_with_norm_": clip_grads_with_norm_,
+    "clip_grad_value_": clip_grad_value_,
+}
+
+
+def _install() -> None:
+    # Public names of torch.nn.utils, and the same objects where clip_grad.py defines them
+    # (clip_grads_with_norm_ is _clip_grads_with_norm_ there).
+    for name, wrapper in _WRAPPERS.items():
+        original = getattr(nn_utils, name, None)
+        if original is None:
+            continue
+        _originals[name] = original
+        setattr(nn_utils, name, wrapper)
+        for module_name, value in list(vars(clip_grad_module).items()):
+            if value is original:
+                setattr(clip_grad_module, module_name, wrapper)
+    from torch.amp.grad_scaler import GradScaler
+    _originals["_unscale_grads_"] = GradScaler._unscale_grads_
+    GradScaler._unscale_grads_ = _unscale_grads_
+    _install_accelerate()
+
+
+def _uninstall() -> None:
+    for name, wrapper in _WRAPPERS.items():
+        if name not in _originals:
+            continue
+        for module in (nn_utils, clip_grad_module):
+            for module_name, value in list(vars(module).items()):
+                if value is wrapper:
+                    setattr(module, module_name, _originals[name])
+    from torch.amp.grad_scaler import GradScaler
+    if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
+        GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
+    cls = _accelerator_class()
+    if cls is not None and vars(cls)[_ACCELERATE_CLIP] is _accelerate_clip:
+        setattr(cls, _ACCELERATE_CLIP, _originals["accelerate"])
+    _originals.clear()
+
+
+def register(pipeline: Any) -> None:
+    with _lock:
+        if not _originals:
+            _install()
+        _install_accelerate()  # accelerate may have been imported after the first attach
+        _pipelines.add(pipeline)
+        _generation[0] += 1
+
+
+def unregister(pipeline: Any) -> None:
+    with _lock:
+        _pipelines.discard(pipeline)
+        _generation[0] += 1
+        if not _pipelines and _originals:
+            _uninstall()
+
+
+def release_unused() -> None:
+    """Remove the wrappers once no pipeline is left (also when pipelines were collected)."""
+    with _lock:
+        if _originals and not any(True for _ in _pipelines):
+            _uninstall()
+
+
+def original_clip_grad_norm_() -> Any:
+    """torch's own clip_grad_norm_, whether or not the wrapper is installed."""
+    return _originals.get("clip_grad_norm_", nn_utils.clip_grad_norm_)
+
+
+def owned_anywhere(params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The first of ``params`` that an attached pipeline owns, or None."""
+    pipelines = list(_pipelines)
+    return next((p for p in params if any(_claims(pl, p) for pl in pipelines)), None)
+
+
+def check_sync_step(opt: Any) -> None:
+    """Refuse a synchronous step over a parameter another optimizer's pipeline owns.
+
+    That pipeline takes the gradient out of p.grad (release_grads) and updates p itself, so
+    this step would silently skip p, or update it from a gradient the other already used.
+    Checked again only when the attached pipelines or this optimizer's parameters change.
+    """
+    if not _pipelines:
+        return
+    count = sum(len(group["params"]) for group in opt.param_groups)  # per step: no list
+    key = (_generation[0], id(opt.param_groups), count)
+    if getattr(opt, "_checked_against_pipelines", None) == key:
+        return
+    shared = owned_anywhere(p for group in opt.param_groups for p in group["params"])
+    if shared is not None:
+        raise RuntimeError(f"step(): parameter {opt.index(shared)} also belongs to another "
+                           f"AdamBridge optimizer with hooks attached, which updates it; give "
+                           f"each optimizer its own parameters")
+    opt._checked_against_pipelines = key

@@ -1,0 +1,1 @@
+"""The synchronous step(): the cached step plan, pinned staging, GradScaler and clipping."""

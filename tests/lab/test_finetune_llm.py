@@ -1,0 +1,151 @@
+"""benchmarks/finetune_llm.py: run planning, batches, the host-master wrapper, the report, and
+one offline end-to-end run on a tiny random model (needs transformers)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adambridge.lab import report as lab_report
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "finetune_llm.py"
+
+
+@pytest.fixture(scope="module")
+def ft():
+    spec = importlib.util.spec_from_file_location("finetune_llm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["finetune_llm"] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("finetune_llm", None)
+
+
+def test_parse_args_presets_fill_unset_options(ft):
+    full = ft.parse_args([])
+    assert (full.model, full.steps, full.batch, full.seq_len) == ("Qwen/Qwen2.5-0.5B", 200, 8, 512)
+    quick = ft.parse_args(["--preset", "quick", "--steps", "5"])
+    assert (quick.model, quick.steps, quick.seq_len) == ("HuggingFaceTB/SmolLM2-135M", 5, 256)
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--configs", "adamw,lion"])
+
+
+def test_plan_runs_skips_missing_peers_and_adds_noise_runs(ft, monkeypatch):
+    monkeypatch.setattr(ft, "available", lambda c: c.needs is None)
+    plan = ft.plan_runs(ft.parse_args(["--noise-runs", "2", "--seed", "5"]))
+    names = [(c.name, seed, noise) for c, seed, noise in plan]
+    assert names[0] == ("adamw", 5, False)
+    assert names[-2:] == [("adamw", 6, True), ("adamw", 7, True)]
+    assert not any(c.needs for c, _, _ in plan)
+    assert {"adambridge-fp32", "adambridge-bf16", "adambridge-fp8", "bf16-only"} <= {n for n, _, _ in names}
+    explicit = ft.plan_runs(ft.parse_args(["--configs", "bnb-adamw8bit", "--noise-runs", "1"]))
+    assert [c.name for c, _, _ in explicit] == ["bnb-adamw8bit"]  # asked for: kept, may fail
+
+
+def test_train_batches_same_order_per_seed(ft):
+    args = ft.parse_args(["--steps", "4", "--batch", "3", "--seq-len", "8"])
+    train = torch.arange(1000, dtype=torch.int32)
+    a, b = ft.train_batches(train, args, 0), ft.train_batches(train, args, 0)
+    assert a.shape == (4, 3, 8) and torch.equal(a, b)
+    assert not torch.equal(a, ft.train_batches(train, args, 1))
+    assert torch.equal(a[:, :, 0] % 8, torch.zeros(4, 3, dtype=torch.long))  # whole blocks
+    assert len(a.view(-1, 8)[:, 0].unique()) == 12  # no block twice while unused ones remain
+
+
+def test_host_master_optimizer_matches_adamw_on_an_fp32_copy(ft):
+    torch.manual_seed(0)
+    ref = torch.randn(257, requires_grad=True)
+    low = torch.nn.Parameter(ref.detach().bfloat16())
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    opt_ref = torch.optim.AdamW([ref], **hyper)
+    opt = ft.HostMasterOptimizer([low], lambda masters: torch.optim.AdamW(masters, **hyper))
+    ref.data.copy_(low.detach().float())  # both start from the bf16 values
+    for _ in range(3):
+        g = torch.randn(257).bfloat16()
+        ref.grad, low.grad = g.float(), g.clone()
+        opt_ref.step()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(opt.masters[0].detach(), ref.detach())
+    assert torch.equal(low.detach(), ref.detach().bfloat16())
+    assert low.grad is None
+
+
+def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
+    base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
+                peak_device_bytes=None, host_bytes_per_param=None)
+    runs = [dict(base, config="adamw", label="ref", final_val_loss=2.0, rss_growth_bytes=1 << 30),
+            dict(base, config="adambridge-bf16", label="ab", final_val_loss=2.0005,
+                 rss_growth_bytes=3 << 30, host_bytes_per_param=8.0),
+            dict(base, config="bf16-only", label="b16", final_val_loss=2.1, rss_growth_bytes=1 << 30),
+            dict(base, config="adamw", label="ref2", final_val_loss=1.999, rss_growth_bytes=1 << 30,
+                 noise_run=True),
+            dict(config="bnb-adamw8bit", label="bnb", error="ImportError: no bitsandbytes"),
+            dict(config="torchao-offload", label="tao", not_installed="torchao")]
+    band = lab_report.noise_band(runs, "adamw")
+    assert band == pytest.approx(0.001)
+    setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
+                 data="d", lr=2e-5, warmup=0.1)
+    section = ft.section(dict(setup=setup, runs=runs, noise_band=band, start_val_loss=2.5))
+    rows = {row[0]: row for row in section.rows}
+    assert all(len(row) == len(section.columns) for row in section.rows)
+    assert rows["ab"][4] == "+0.0005 (tie)" and rows["ab"][8] == "+2.00" and rows["ab"][9] == "8.00"
+    assert rows["b16"][4] == "+0.1000 (worse)" and rows["ref2"][4] == "-0.0010 (noise run)"
+    assert rows["bnb"][1].startswith("failed: ImportError")
+    assert rows["tao"][1] == "not installed (pip install torchao)"
+    md = lab_report.md_table(section.columns, section.rows)
+    assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
+
+
+def test_section_judges_a_run_by_its_own_reduction_when_it_starts_elsewhere(ft):
+    """A bf16 run starts from a cast of the weights, at another loss: the table must show what
+    its optimizer did (its reduction against the reference's), not where the cast put it."""
+    base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
+                peak_device_bytes=None, host_bytes_per_param=None, rss_growth_bytes=0)
+    runs = [dict(base, config="adamw", label="ref", start_val_loss=5.1151, final_val_loss=5.0),
+            dict(base, config="adambridge-bf16", label="ab", start_val_loss=5.1164,
+                 final_val_loss=5.0013)]
+    setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
+                 data="d", lr=2e-5, warmup=0.1)
+    section = ft.section(dict(setup=setup, runs=runs, noise_band=0.001, start_val_loss=5.1151))
+    rows = {row[0]: row for row in section.rows}
+    assert rows["ab"][4] == "+0.0000 (tie)"  # the final-loss difference would say +0.0013 worse
+
+
+def test_not_installed_rows_only_for_the_default_plan(ft, monkeypatch):
+    monkeypatch.setattr(ft, "available", lambda c: c.needs is None)
+    rows = ft.not_installed(ft.parse_args([]))
+    assert {r["config"] for r in rows} == {c.name for c in ft.CONFIGS.values() if c.needs}
+    assert all(r["not_installed"] for r in rows)
+    assert ft.not_installed(ft.parse_args(["--configs", "bnb-adamw8bit"])) == []
+
+
+def test_finetune_tiny_model_offline_end_to_end(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed "
+                                               "(pip install 'adambridge[test]')")
+    text = tmp_path / "text.txt"
+    text.write_text(Path(json.__file__).read_text() * 3)  # ~40 KB of real text
+    out = tmp_path / "report"
+    # one intra-op thread: the model is tiny, and on a busy 2-core machine OpenMP barriers spin
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(SCRIPT), "--model-config", "tiny", "--text-file", str(text),
+           "--device", "cpu", "--steps", "3", "--batch", "2", "--seq-len", "32",
+           "--configs", "adamw,adambridge-bf16", "--noise-runs", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    ref, ab = report["runs"]
+    assert (ref["config"], ab["config"]) == ("adamw", "adambridge-bf16")
+    assert ref["weights"] == "float32" and ab["weights"] == "bfloat16"
+    assert report["start_val_loss"] > ref["final_val_loss"] > 0
+    assert ab["host_bytes_per_param"] >= 8 and ab["mode"] in ("sync", "async")
+    assert 0 < ab["bf16_changed"] <= 1 and ref["ms_per_step"] > 0
+    assert "| AdamBridge bf16 moments | bfloat16 |" in (out / "report.md").read_text()
+    assert report["format"] == lab_report.FORMAT and report["status"] == "complete"
+    assert [row[0] for row in report["sections"][0]["rows"]] == [ref["label"], ab["label"]]
+    assert not (out / "data.pt").exists()

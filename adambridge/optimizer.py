@@ -318,9 +318,20 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_group_settings()
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # async mode: backward began this step, finish it
             self._pipeline.finish()
             return loss
+        stats, began = self._step_wide_facts()
+        if stats.skipped:
+            return loss
+        updated = self._sync_path()(stats, began)
+        if updated is not None:
+            self._finish_stats(stats, updated, began)
+        return loss
+
+    def _step_wide_facts(self) -> tuple:
+        """Before a synchronous step: what must hold first, then GradScaler and clipping on
+        p.grad. (StepStats, the start time); ``stats.skipped`` when GradScaler skips it."""
         if self._handed is not None or self._in_place_refusal is not None:
             self.settle_in_place()  # before anything changes (async: at each gradient)
         interception.check_sync_step(self)  # a parameter another optimizer's hooks update
@@ -331,50 +342,68 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self.last_step_stats = stats
         if not scaler_clip.sync_amp(self):
             stats.skipped = True
-            return loss
-        if self.max_grad_norm is not None:
+        elif self.max_grad_norm is not None:
             stats.grad_norm = scaler_clip.sync_clip(self)
-        if self._shard_group is not None:  # shard_state: this rank's ranges, then all-gather
-            self.follow_groups()  # refused: the ranges follow the index
-            zero.sync_step(self, stats, began)
-            return loss
-        plan = self._plan
-        if plan is not None and plan.fits(self):  # before the O(params) DTensor scan
-            plan.run(self)
-            return self._finish_stats(stats, len(plan), began, loss)
+        return stats, began
+
+    def _sync_path(self) -> Callable[[StepStats, float], Optional[int]]:
+        """The synchronous step's path, picked once: each takes (stats, start time) and
+        returns how many parameters it updated, or None where it fills the stats itself."""
+        if self._shard_group is not None:
+            return self._step_sharded
+        if self._plan is not None and self._plan.fits(self):  # before the O(params) DTensor scan
+            return self._step_cached_plan
         self.release_plan()
         self.follow_groups()  # parameters put into param_groups[i]["params"] directly
-        if fsdp.holds_dtensors(self):  # FSDP2: each rank updates its local shard
-            if self._tier is not None:  # DTensors put into param_groups behind our back
-                _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
-            fsdp.sync_step(self, stats, began)
-            return loss
+        if fsdp.holds_dtensors(self):
+            return self._step_fsdp2
+        return self._step_params
+
+    def _step_sharded(self, stats: StepStats, began: float) -> None:
+        """shard_state: this rank's ranges, then the all-gather."""
+        self.follow_groups()  # refused: the ranges follow the index
+        zero.sync_step(self, stats, began)
+
+    def _step_cached_plan(self, stats: StepStats, began: float) -> int:
+        """The same parameters as the last step: the kept native batch, refreshed."""
+        self._plan.run(self)
+        return len(self._plan)
+
+    def _step_fsdp2(self, stats: StepStats, began: float) -> None:
+        """FSDP2: each rank updates its local shards."""
+        if self._tier is not None:  # DTensors put into param_groups behind our back
+            _refuse_dtensors_with_offload(p for g in self.param_groups for p in g["params"])
+        fsdp.sync_step(self, stats, began)
+
+    def _step_params(self, stats: StepStats, began: float) -> int:
+        """Every parameter with a gradient: a new cached plan where one fits, else the NVMe
+        tier's parameters streamed from files and the rest updated in one call."""
         work = self._collect_work()
-        if work:
-            backend = self._resolve_backend()
-            if step_plan.eligible(self, work, backend):
-                # NOTE: later steps over the same parameters reuse this plan.
-                self._plan = step_plan.StepPlan(self, work)
-                self._plan.run(self)
-                return self._finish_stats(stats, len(work), began, loss)
-            rest = work if self._tier is None else self._tier.step(work, backend, stats)
-            # NOTE: device gradients and weights move through pinned
-            # staging with one wait per step (sync/transfer.py), not 2N blocking copies.
-            staged = transfer.Staged(self, [p for p, _, _, _ in rest], self._stages_out)
-            items = [self._update_item(p, group, state, step, staged)
-                     for p, group, state, step in rest]
-            adamw_update(items, backend)
-            for p, _, state, step in rest:
-                state["step"].fill_(step)
-            staged.write_back([(p, state) for p, _, state, _ in rest], self._write_back)
-            self.mark_written([p for p, _, _, _ in work])
-        return self._finish_stats(stats, len(work), began, loss)
+        if not work:
+            return 0
+        backend = self._resolve_backend()
+        if step_plan.eligible(self, work, backend):
+            # NOTE: later steps over the same parameters reuse this plan.
+            self._plan = step_plan.StepPlan(self, work)
+            self._plan.run(self)
+            return len(work)
+        rest = work if self._tier is None else self._tier.step(work, backend, stats)
+        # NOTE: device gradients and weights move through pinned staging with one wait per
+        # step (sync/transfer.py), not 2N blocking copies.
+        staged = transfer.Staged(self, [p for p, _, _, _ in rest], self._stages_out)
+        items = [self._update_item(p, group, state, step, staged)
+                 for p, group, state, step in rest]
+        adamw_update(items, backend)
+        for p, _, state, step in rest:
+            state["step"].fill_(step)
+        staged.write_back([(p, state) for p, _, state, _ in rest], self._write_back)
+        self.mark_written([p for p, _, _, _ in work])
+        return len(work)
 
     @staticmethod
-    def _finish_stats(stats: StepStats, count: int, began: float, loss: Any) -> Any:
+    def _finish_stats(stats: StepStats, count: int, began: float) -> None:
         stats.num_params, stats.num_batches = count, int(bool(count))
         stats.host_update_s = stats.wall_s = time.perf_counter() - began
-        return loss
 
     def _collect_work(self) -> list:
         """Validate every gradient first, so a bad one leaves everything untouched."""

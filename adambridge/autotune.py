@@ -15,13 +15,14 @@ Two decisions, each logged to ``opt.autotune_log`` as a TuneDecision with its re
 
 The native thread pool is process-wide, so decision 1 is made once per process: a second
 optimizer that tunes reuses (and logs) the first one's choice instead of re-sizing the pool
-under it. Decision 2 belongs to its optimizer (``opt._tuner``, made at construction): it
+under it. Decision 2 belongs to its optimizer (``opt.tuner``, made at construction): it
 outlives ``detach_hooks()``/``attach_hooks()`` and travels in ``state_dict()`` (the
 ``'autotune'`` entry of ``'adambridge'``), so a resumed run continues at the precision and
 in the phase the saved one had reached instead of converting back and tuning again.
 """
 from __future__ import annotations
 
+import weakref
 import logging
 import statistics
 import time
@@ -124,16 +125,19 @@ def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], flo
     return run
 
 
+_threads_tuned: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers whose threads decision 1 made
+
+
 def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
     """Decision 1 (see the module docstring); later calls do nothing."""
     config = opt.autotune_config
-    if config is None or getattr(opt, "_threads_tuned", False):
+    if config is None or opt in _threads_tuned:
         return
-    opt._threads_tuned = True
+    _threads_tuned.add(opt)
     log = opt.autotune_log
     if not config.tune_threads:
         return
-    if opt._resolve_backend() != "native":
+    if opt.resolve_backend() != "native":
         _record(log, TuneDecision("threads", "skipped", None, "torch backend: nothing to tune "
                                   "(torch.set_num_threads governs it)"))
         return
@@ -239,7 +243,7 @@ def resumed(opt: Any, state_dict: Any) -> tuple[str, Optional[dict]]:
     """
     meta = state_dict.get("adambridge") if isinstance(state_dict, dict) else None
     saved = meta.get("autotune") if isinstance(meta, dict) else None
-    tuner = opt._tuner
+    tuner = opt.tuner
     if saved is None or tuner is None:
         return opt.precision, None
     _check_saved(saved)
@@ -273,4 +277,4 @@ def convert_states(pipeline: Any, precision: str) -> None:
             if opt.state.get(p):
                 convert_precision(opt.state[p], precision)
     pipeline.run_on_workers(convert)
-    opt._precision = precision
+    opt.switch_precision(precision)

@@ -129,7 +129,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             self._tier = tier.Tier(self, offload, host_budget)
         if self._backend_request == "native":
             try:
-                self._resolve_backend()  # fail now, not at the first step
+                self.resolve_backend()  # fail now, not at the first step
             except BaseException:
                 # The traceback keeps this half-made optimizer alive: its tier must not keep
                 # the directories locked against the user's next try.
@@ -147,11 +147,49 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
     @property
     def backend(self) -> str:
         """'native/<isa>' (e.g. 'native/avx2') or 'torch'. Resolving may build the kernel."""
-        self._resolve_backend()
+        self.resolve_backend()
         if self._resolved_backend == "native":
             from ._native import loader
             return f"native/{loader.isa_name()}"
         return "torch"
+
+    # -- the door the pipeline, the distributed paths, the tier and the tuner use
+
+    @property
+    def pipeline(self) -> Any:
+        """The attached pipeline (asynchronous mode: attach_hooks), or None."""
+        return self._pipeline
+
+    @property
+    def tuner(self) -> Optional[Tuner]:
+        """The precision tuner (``autotune``), or None."""
+        return self._tuner
+
+    @property
+    def shard_group(self) -> Any:
+        """shard_state's process group, or None."""
+        return self._shard_group
+
+    @property
+    def resolved_backend(self) -> Optional[str]:
+        """The backend the first step picked ("native" or "torch"); None before it."""
+        return self._resolved_backend
+
+    def writeback_buffer(self, p: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer the kernel writes p's new low-precision values into before they go
+        back to p: kept per parameter, made again when its size changes."""
+        buffer = self._writeback.get(p)
+        if buffer is None or buffer.numel() != numel:
+            buffer = self._writeback[p] = host_state.host_empty(numel, dtype)
+        return buffer
+
+    def kept_writeback(self, p: torch.Tensor) -> torch.Tensor:
+        """The buffer writeback_buffer() made for p."""
+        return self._writeback[p]
+
+    def switch_precision(self, precision: str) -> None:
+        """The tuner's switch, once it has re-encoded every state's moments."""
+        self._precision = precision
 
     @property
     def nvme_tier(self) -> Optional["tier.Tier"]:
@@ -282,7 +320,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ backend
 
-    def _resolve_backend(self) -> str:
+    def resolve_backend(self) -> str:
         if self._resolved_backend is None:
             self._resolved_backend = self._pick_backend()
         return self._resolved_backend
@@ -381,7 +419,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         work = self._collect_work()
         if not work:
             return 0
-        backend = self._resolve_backend()
+        backend = self.resolve_backend()
         if step_plan.eligible(self, work, backend):
             # NOTE: later steps over the same parameters reuse this plan.
             self._plan = step_plan.StepPlan(self, work)
@@ -424,14 +462,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
     def _update_item(self, p: torch.Tensor, group: dict, state: dict, step: int,
                      staged: "transfer.Staged") -> UpdateItem:
         return self.range_item(p, group, state, step, staged.grad(p),
-                               staged.out(p, self._out_buffer), 0)
+                               staged.out(p, self.out_buffer), 0)
 
     def _stages_out(self, p: torch.Tensor) -> bool:
         # A CUDA parameter: the kernel writes its copy (fp32 too) into pinned staging, so
         # the way back is one non_blocking copy, not a pageable one.
         return transfer.on_device(p) and not can_alias_master(p)
 
-    def _out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def out_buffer(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the kernel writes the rounded copy: into p itself when it can."""
         if can_alias_master(p):
             return None
@@ -491,8 +529,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         # Several ranks and no DDP in sight (its .module, perhaps): no gradient hook until a
         # DDP's forward is seen running the model (distributed/ddp.py).
         late = ddp is None and ddp_async.world_size() > 1
-        pipeline.attach(self, model, accumulation_steps=accumulation_steps,
-                        closes_window=closes_window, hook_grads=ddp is None and not late)
+        self._pipeline = pipeline.new(self, model, accumulation_steps=accumulation_steps,
+                                      closes_window=closes_window,
+                                      hook_grads=ddp is None and not late)
+        pipeline.start(self._pipeline)
         if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
             ddp_async.hand_over_reduced(ddp, self._pipeline)
         elif late:

@@ -53,6 +53,23 @@ class ParamOwner:
         indexed = getattr(self, "_indexed", None)
         return indexed is None or len(flat) != len(indexed) or not all(map(is_, flat, indexed))
 
+    @property
+    def param_index(self) -> dict:
+        """p -> its index (state_dict order); read-only for everyone but this class."""
+        return self._param_index
+
+    def note_written(self, p: torch.Tensor, tensor: torch.Tensor) -> None:
+        """This optimizer just wrote ``tensor`` (p, or p's shard) back."""
+        self._written[p] = (tensor._version, tensor.data_ptr())
+
+    def written_as(self, p: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is as this optimizer last wrote it back (no one wrote it since)."""
+        return self._written.get(p) == (tensor._version, tensor.data_ptr())
+
+    def note_layout(self, p: torch.Tensor) -> None:
+        """Record p's shape and dtype, as its state was made."""
+        self._layout[p] = (p.shape, p.dtype)
+
     def index(self, p: torch.Tensor) -> int:
         """p's index: its position in the state_dict and a key of its rounding bits."""
         try:

@@ -81,7 +81,7 @@ def bind_when_wrapped(model: torch.nn.Module, pipeline: Any) -> None:
 def _pre_hook(pipeline_ref: "weakref.ref", ours: set, state: dict):
     def before_forward(module: torch.nn.Module, args: Any) -> None:
         pipeline = pipeline_ref()
-        if pipeline is None or pipeline.opt is None or pipeline.opt._pipeline is not pipeline:
+        if pipeline is None or pipeline.opt is None or pipeline.opt.pipeline is not pipeline:
             _remove(state["handles"])  # detached: the pipeline is done
             return
         ddp = _active_wrapper()
@@ -143,7 +143,7 @@ def _reduce_then_update(ddp_ref, bucket):  # DDP checks a comm hook's annotation
     dist.all_reduce(buffer, group=group, async_op=True).wait()
     pipeline_ref = getattr(ddp, "_adambridge_pipeline", None)
     pipeline = pipeline_ref() if pipeline_ref is not None else None
-    if pipeline is not None and pipeline.opt is not None and pipeline.opt._pipeline is pipeline:
+    if pipeline is not None and pipeline.opt is not None and pipeline.opt.pipeline is pipeline:
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
             # No p.grad: unused by this rank's backward (find_unused_parameters, static_graph);
             # step() sends it from p.grad if DDP writes another rank's reduced one there.

@@ -147,11 +147,11 @@ def update_shards(opt: Any, work: list) -> list:
         items.append(_item(opt, p, group, state, step, _flat_host(grad), out, offset))
         done.append((p, local, state, step))
     if items:
-        adamw_update(items, opt._resolve_backend())
+        adamw_update(items, opt.resolve_backend())
     for p, local, state, step in done:
         state["step"].fill_(step)
         _write_back(opt, p, local, state)
-        opt._written[p] = (local._version, local.data_ptr())
+        opt.note_written(p, local)
     return done
 
 
@@ -190,10 +190,10 @@ def ensure_range_state(opt: Any, p: torch.Tensor, values: torch.Tensor,
     if state:
         if _aliases(owner):
             state["master"] = values.view(-1)  # owner may have a new storage (p.data = ...)
-        elif opt._written.get(p) != (owner._version, owner.data_ptr()):
+        elif not opt.written_as(p, owner):
             host_state.adopt_written(state, values)
         return state
-    opt._layout[p] = (p.shape, p.dtype)
+    opt.note_layout(p)
     state.update(host_state.new_state(values, opt.precision, alias=_aliases(owner)))
     return state
 
@@ -203,17 +203,14 @@ def _out(opt: Any, p: torch.Tensor, local: torch.Tensor) -> Optional[torch.Tenso
         return None  # the master is the shard itself, or the fp32 copy to send
     if local.is_cpu and local.is_contiguous():
         return local.view(-1)  # CPUOffloadPolicy: the kernel writes the shard in place
-    buffer = opt._writeback.get(p)
-    if buffer is None or buffer.numel() != local.numel():
-        buffer = opt._writeback[p] = host_state.host_empty(local.numel(), local.dtype)
-    return buffer
+    return opt.writeback_buffer(p, local.numel(), local.dtype)
 
 
 def _write_back(opt: Any, p: torch.Tensor, local: torch.Tensor, state: dict) -> None:
     if local.is_cpu and local.is_contiguous():
         torch.autograd.graph.increment_version([local])  # the kernel wrote through it
         return
-    source = state["master"] if local.dtype == torch.float32 else opt._writeback[p]
+    source = state["master"] if local.dtype == torch.float32 else opt.kept_writeback(p)
     local.copy_(source.view(local.shape))
 
 

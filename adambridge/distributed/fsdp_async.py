@@ -156,6 +156,6 @@ def _step_error(exc: BaseException, updated: int) -> BaseException:
 def _hook(ref: "weakref.ref[ShardUpdater]") -> Callable[[torch.Tensor], None]:
     def on_reduced(p: torch.Tensor) -> None:
         updater = ref()
-        if updater is not None and updater.opt._pipeline is updater:
+        if updater is not None and updater.opt.pipeline is updater:
             updater.on_grad(p)
     return on_reduced

@@ -152,7 +152,7 @@ def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset())
     if fsdp.holds_dtensors(opt):
         raise ValueError("shard_state=True with FSDP2 (DTensor) parameters is not supported: "
                          "FSDP2 shards the state already; drop shard_state")
-    g = _Group(opt._shard_group, opt)
+    g = _Group(opt.shard_group, opt)
     work = _collect(opt, g)
     ranges = [(p, group, *g.range(opt, p)) for p, group in work if p not in skip]
     done = update_ranges(opt, [(p, group, a, b, _host_range(p.grad, a, b))
@@ -180,7 +180,7 @@ def update_ranges(opt: Any, work: list) -> list:
         items.append(fsdp._item(opt, p, group, state, step, grad, out, start))
         done.append((p, state, step, start, end))
     if items:
-        adamw_update(items, opt._resolve_backend())
+        adamw_update(items, opt.resolve_backend())
     for _, state, step, _, _ in done:
         state["step"].fill_(step)
     return [(p, state, start, end) for p, state, _, start, end in done]
@@ -229,16 +229,13 @@ def _out(opt: Any, p: torch.Tensor, start: int, end: int) -> Optional[torch.Tens
         return None  # the master is p's range itself, or the fp32 copy to send
     if p.is_cpu:
         return p.detach().view(-1)[start:end]  # the kernel writes p's range in place
-    buffer = opt._writeback.get(p)
-    if buffer is None or buffer.numel() != end - start:
-        buffer = opt._writeback[p] = host_state.host_empty(end - start, p.dtype)
-    return buffer
+    return opt.writeback_buffer(p, end - start, p.dtype)
 
 
 def _new_values(opt: Any, p: torch.Tensor, state: dict, start: int, end: int) -> torch.Tensor:
     if p.is_cpu:
         return p.detach().view(-1)[start:end]
-    return state["master"] if p.dtype == torch.float32 else opt._writeback[p]
+    return state["master"] if p.dtype == torch.float32 else opt.kept_writeback(p)
 
 
 def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
@@ -267,7 +264,7 @@ def _record_written(opt: Any, params: list, mine: dict) -> None:
     if cpu:
         torch.autograd.graph.increment_version(cpu)  # the kernel wrote through them
     for p in params:
-        opt._written[p] = (p._version, p.data_ptr())
+        opt.note_written(p, p)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -290,7 +287,7 @@ def _piece_numel(key: str, start: int, end: int) -> int:
 
 def saved_state(opt: Any) -> dict:
     """{index: entry} of every parameter with state, whole (a collective: every rank calls)."""
-    g = _Group(opt._shard_group, opt)
+    g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     steps = torch.tensor([float(opt.state[p]["step"].item()) if opt.state.get(p) else -1.0
                           for p in params], dtype=torch.float64, device=g.device)
@@ -323,7 +320,7 @@ def saved_state(opt: Any) -> dict:
 def restore(opt: Any, state_dict: Any) -> tuple:
     """checkpoint.restore of a whole (unsharded-layout) checkpoint, kept to this rank's
     ranges; nothing is changed before every value is checked."""
-    g = _Group(opt._shard_group, opt)
+    g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     new_state, new_groups, meta = checkpoint.restore(state_dict, opt.param_groups, params,
                                                      opt.precision)

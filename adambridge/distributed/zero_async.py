@@ -74,7 +74,7 @@ class RangeUpdater(LandedWorker):
 
     def __init__(self, opt: Any, params: list) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
-        self._shards = zero._Group(opt._shard_group, opt)
+        self._shards = zero._Group(opt.shard_group, opt)
         self._group_of = fsdp.GroupLookup(opt)
         self._hooked = {id(p) for p in params}
         self._start_worker("zero", "shard_state")

@@ -113,4 +113,4 @@ def all_in_ram(opt: Any) -> list[Placed]:
     """The placement of an optimizer without a tier: every state in RAM."""
     per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
     return [Placed(i, p.numel(), "ram", int(per_param * p.numel()))
-            for p, i in sorted(opt._param_index.items(), key=lambda kv: kv[1])]
+            for p, i in sorted(opt.param_index.items(), key=lambda kv: kv[1])]

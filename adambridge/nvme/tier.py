@@ -52,7 +52,7 @@ class FiledState(dict):
 
 
 class Tier:
-    """The file-backed state of one optimizer (``opt._tier``)."""
+    """The file-backed state of one optimizer (``opt.nvme_tier``)."""
 
     def __init__(self, opt: Any, config: OffloadConfig, host_budget: Optional[int]) -> None:
         self.config, self.host_budget = config, host_budget
@@ -119,9 +119,9 @@ class Tier:
     def _place(self) -> None:
         opt = self._opt()
         # The index's size, O(1): holds() runs for every piece of every step.
-        if len(self._where) == len(opt._param_index):
+        if len(self._where) == len(opt.param_index):
             return
-        new = [p for p in opt._param_index if p not in self._where]
+        new = [p for p in opt.param_index if p not in self._where]
         if not new:
             return
         used = sum(host_state.HOST_BYTES_PER_PARAM[opt.precision] * p.numel()

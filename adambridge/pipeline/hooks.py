@@ -60,7 +60,7 @@ _log = logging.getLogger("adambridge")
 
 
 class Pipeline(FactsMixin):
-    """The hooks of one optimizer and one Lane per device; ``opt._pipeline`` while attached."""
+    """The hooks of one optimizer and one Lane per device; ``opt.pipeline`` while attached."""
 
     def __init__(self, opt: Any, model: Optional[torch.nn.Module], *,
                  make_transport: Callable[[torch.device], Any] = make_transport,
@@ -82,7 +82,7 @@ class Pipeline(FactsMixin):
         self.group_of: dict = {}
         self._groups_seen: list = []
         self._refresh_groups()
-        backend = opt._resolve_backend()
+        backend = opt.resolve_backend()
         self.lanes: dict[torch.device, Lane] = {}
         for p in self.owned:
             if p.device not in self.lanes:
@@ -710,21 +710,25 @@ def _raise_step_error(record: StepRecord, late: Optional[late_work.LateWork] = N
     raise error from None
 
 
-def attach(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
-    """Attach hooks for ``opt`` (see AdamBridge.attach_hooks); ``options`` are for tests."""
+def new(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
+    """The hooks for ``opt`` (see AdamBridge.attach_hooks, which holds what this returns and
+    then calls start()); ``options`` are for tests."""
     cuda_policy.check_model(model)
     late_work.check_attach(opt)  # a detached pipeline's worker may still be in a late update
-    pipeline = Pipeline(opt, model, **options)
-    opt._pipeline = pipeline
+    return Pipeline(opt, model, **options)
+
+
+def start(pipeline: Pipeline) -> None:
+    """The native pool placed for the pipeline's devices, and the thread tuning started."""
+    opt = pipeline.opt
     # on one NUMA node the pool is not pinned against the autograd thread
     cpus, threads = cuda_policy.pool_plan(_pool_cpus(pipeline), list(pipeline.lanes))
-    if opt._resolve_backend() == "native":
+    if opt.resolve_backend() == "native":
         _configure_pool(opt, cpus, threads)
     if opt.autotune_config is not None:
         from .. import autotune
-        pipeline.tuner = opt._tuner  # the optimizer's: a re-attach goes on where it was
+        pipeline.tuner = opt.tuner  # the optimizer's: a re-attach goes on where it was
         autotune.tune_threads_once(opt, cpus=cpus)
-    return pipeline
 
 
 def _pool_cpus(pipeline: Pipeline) -> tuple[int, ...]:

@@ -40,6 +40,7 @@ from . import step_wide
 _lock = threading.Lock()
 _pipelines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _originals: dict = {}
+_checked: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()  # check_sync_step's
 _generation = [0]  # bumped by every register/unregister (check_sync_step's cache)
 
 
@@ -265,11 +266,11 @@ def check_sync_step(opt: Any) -> None:
         return
     count = sum(len(group["params"]) for group in opt.param_groups)  # per step: no list
     key = (_generation[0], id(opt.param_groups), count)
-    if getattr(opt, "_checked_against_pipelines", None) == key:
+    if _checked.get(opt) == key:
         return
     shared = owned_anywhere(p for group in opt.param_groups for p in group["params"])
     if shared is not None:
         raise RuntimeError(f"step(): parameter {opt.index(shared)} also belongs to another "
                            f"AdamBridge optimizer with hooks attached, which updates it; give "
                            f"each optimizer its own parameters")
-    opt._checked_against_pipelines = key
+    _checked[opt] = key

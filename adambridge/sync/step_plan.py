@@ -78,7 +78,7 @@ def _plain_step(state: dict) -> bool:
 
 def eligible(opt: Any, work: Sequence[tuple], backend: str) -> bool:
     """Whether a plan can carry this step's ``work`` ((p, group, state, step) per parameter)."""
-    if backend != "native" or opt._tier is not None or opt._pipeline is not None:
+    if backend != "native" or opt.nvme_tier is not None or opt.pipeline is not None:
         return False
     return all(_plain_cpu(p) and _plain_cpu(p.grad) and _plain_step(state)
                for p, _, state, _ in work)
@@ -103,7 +103,7 @@ class StepPlan:
         self.stochastic_rounding = opt.stochastic_rounding
         self._share_steps()
         self.batch = NativeBatch([opt.range_item(p, group, state, step, p.grad,
-                                                 opt._out_buffer(p), 0)
+                                                 opt.out_buffer(p), 0)
                                   for p, group, state, step in work])
         self.grads = [item.grad for item in self.batch.items]
         self.grad_ptrs = list(map(_data_ptr, self.grads))
@@ -168,8 +168,8 @@ class StepPlan:
         """Whether this step's parameters, gradients and states are the plan's; new gradient
         tensors that pass every check of the full path are taken in. Raises what the full
         path raises for a group flag; changes nothing else when it answers False."""
-        if opt.stochastic_rounding != self.stochastic_rounding or opt._pipeline is not None \
-                or opt._tier is not None or opt._resolved_backend != "native":
+        if opt.stochastic_rounding != self.stochastic_rounding or opt.pipeline is not None \
+                or opt.nvme_tier is not None or opt.resolved_backend != "native":
             return False
         if not _same(opt.param_groups, self.groups):
             return False

@@ -229,10 +229,10 @@ def test_cuda_order_failed_step_still_sends_committed_weights_back(monkeypatch):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     torch.cuda._sleep(SLEEP_CYCLES)
     model(x).backward()
-    for lane in opt._pipeline.lanes.values():  # every hooked gradient is updated now
+    for lane in opt.pipeline.lanes.values():  # every hooked gradient is updated now
         lane.wait(lane.call(lambda: None))
     fail["on"] = True  # the small parameters' batch, sent by step_sync, fails
-    hooked = {id(p) for p in opt._pipeline.hooked}
+    hooked = {id(p) for p in opt.pipeline.hooked}
     with pytest.raises(RuntimeError, match="injected kernel failure"):
         opt.step_sync()
     torch.cuda.synchronize()

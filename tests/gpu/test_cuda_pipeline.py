@@ -133,7 +133,7 @@ def test_cuda_release_grads_frees_device_gradients_and_stats_count_bytes():
     model, opt, _ = _train(True, dtype=torch.bfloat16, precision="bf16", steps=1)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     model(x).backward()
-    assert all(p.grad is None for p in opt._pipeline.hooked)  # freed in the hooks
+    assert all(p.grad is None for p in opt.pipeline.hooked)  # freed in the hooks
     stats = opt.step_sync()
     assert all(p.grad is None for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -150,7 +150,7 @@ def test_cuda_pinned_buffers_are_exact_size_and_page_locked():
     big.close()
     assert not big.registered
     _, opt, _ = _train(True, dtype=torch.bfloat16, precision="bf16", steps=1)
-    transport = next(iter(opt._pipeline.lanes.values())).transport
-    embed = next(p for p in opt._pipeline.hooked if p.numel() == 1 << 20)
+    transport = next(iter(opt.pipeline.lanes.values())).transport
+    embed = next(p for p in opt.pipeline.hooked if p.numel() == 1 << 20)
     assert transport._grad[embed].kind == "registered"
     assert transport._grad[embed].nbytes == (1 << 20) * 2

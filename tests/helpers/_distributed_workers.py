@@ -485,7 +485,7 @@ def zero_async(rank: int, world: int, out_dir: str) -> dict:
 
 
 def _ranges_in_backward(opt) -> int:
-    updater = opt._pipeline
+    updater = opt.pipeline
     updater._wait()  # the worker's batches of this backward, before step() runs
     return len(updater._done)
 
@@ -626,7 +626,7 @@ def fsdp2_async(rank: int, world: int, out_dir: str) -> dict:
 
 
 def _updated_in_backward(opt) -> int:
-    updater = opt._pipeline
+    updater = opt.pipeline
     updater._wait()  # the worker's batches of this backward, before step() runs
     return len(updater._done)
 

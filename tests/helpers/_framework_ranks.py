@@ -89,7 +89,7 @@ def _accelerate_run(mode: str) -> dict:
                 opt.step()
                 opt.zero_grad()
     inner = opt.optimizer
-    hooked = inner._pipeline is not None
+    hooked = inner.pipeline is not None
     if hooked:
         integration.detach_hooks(opt)
     return dict(_snapshot(model, inner), norms=norms, wrapped=wrapped, hooked=hooked,

@@ -34,7 +34,7 @@ def _loop(model, opt, rank: int, mode: str, zero_grad: bool = True) -> list:
         model(batch(rank, step)).square().mean().backward()
         if mode == "async":
             # What the comm hook handed over in this backward (pipeline/hooks.py's pipeline only).
-            record = getattr(opt._pipeline, "_record", None)
+            record = getattr(opt.pipeline, "_record", None)
             taken.append(len(record.jobs) if record is not None else 0)
             opt.step_sync()
         else:

@@ -14,7 +14,7 @@ import torch
 
 def keep_up(opt, model: torch.nn.Module) -> None:
     """After each of ``opt``'s hooks on ``model``, wait until the worker has handled it."""
-    lanes = list(opt._pipeline.lanes.values())
+    lanes = list(opt.pipeline.lanes.values())
 
     def wait(_: torch.Tensor) -> None:
         for lane in lanes:

@@ -70,7 +70,7 @@ def train(folder: str, mode: str, max_norm: float, resume: bool = False) -> dict
     inner = opt.optimizer
     if mode == "async":
         integration.detach_hooks(opt)
-    assert inner._pipeline is None
+    assert inner.pipeline is None
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: inner.state[p][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
              for p in model.parameters()]
@@ -132,7 +132,7 @@ def test_attach_hooks_refuses_plugins_it_cannot_follow():
     single = types.SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
     with pytest.raises(TypeError, match="SGD, not AdamBridge"):
         integration.attach_hooks(single, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert opt._pipeline is None
+    assert opt.pipeline is None
 
 
 @pytest.mark.parametrize("hooked", [False, True])
@@ -180,6 +180,6 @@ def test_readme_accelerate_example_runs():
                  loss_fn=torch.nn.functional.mse_loss)
     exec(compile(code, "README.md", "exec"), names)
     opt = names["opt"].optimizer
-    assert opt._pipeline is not None and not opt.last_step_stats.skipped
+    assert opt.pipeline is not None and not opt.last_step_stats.skipped
     assert {int(s["step"]) for s in opt.state.values()} == {2}  # 7 batches, 4 per window
     opt.detach_hooks()

@@ -42,7 +42,7 @@ class Tiny(lightning.LightningModule):
             opt = self.optimizers()
             opt.zero_grad()
             self.manual_backward(loss)
-            self.hooked_steps += opt.optimizer._pipeline is not None
+            self.hooked_steps += opt.optimizer.pipeline is not None
             opt.step()
         return loss
 
@@ -67,12 +67,12 @@ class Norms(lightning.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if optimizer._pipeline is None:  # sync mode: the gradients are all here
+        if optimizer.pipeline is None:  # sync mode: the gradients are all here
             self.pending = float(torch.nn.utils.get_total_norm(grads))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         opt = trainer.optimizers[0]
-        if opt._pipeline is not None and opt.last_step_stats is not None:
+        if opt.pipeline is not None and opt.last_step_stats is not None:
             self.pending, opt.last_step_stats = opt.last_step_stats.grad_norm, None
         if self.pending is not None:
             self.norms.append(self.pending)
@@ -90,7 +90,7 @@ def fit(folder: str, mode: str, clip: float, algorithm: str = "norm", resume=Non
                                    every_n_train_steps=STEPS_PER_EPOCH)])
     trainer.fit(model, ckpt_path=resume)
     opt = trainer.optimizers[0]
-    assert opt._pipeline is None and trainer.global_step == STEPS
+    assert opt.pipeline is None and trainer.global_step == STEPS
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: opt.state[p][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
              for p in model.parameters()]
@@ -156,7 +156,7 @@ def test_manual_optimization_in_async_mode_advances_global_step():
                                 callbacks=[AdamBridgeCallback(async_mode=True)])
     trainer.fit(model)
     opt = trainer.optimizers[0]
-    assert trainer.global_step == 5 and opt._pipeline is None and model.hooked_steps == 5
+    assert trainer.global_step == 5 and opt.pipeline is None and model.hooked_steps == 5
     assert {int(opt.state[p]["step"]) for p in model.parameters()} == {5}
 
 
@@ -180,7 +180,7 @@ def test_callback_refuses_another_optimizer_and_detaches_on_exception():
                                 enable_checkpointing=False, callbacks=[AdamBridgeCallback()])
     with pytest.raises(ValueError, match="boom"):
         trainer.fit(Fails())
-    assert trainer.optimizers[0]._pipeline is None
+    assert trainer.optimizers[0].pipeline is None
 
 
 def test_async_mode_refuses_strategies_that_reduce_or_shard_gradients():
@@ -208,4 +208,4 @@ def test_readme_lightning_example_runs():
     names = dict(Base=Base)
     exec(compile(code, "README.md", "exec"), names)
     trainer = names["trainer"]
-    assert trainer.global_step == 2 and trainer.optimizers[0]._pipeline is None
+    assert trainer.global_step == 2 and trainer.optimizers[0].pipeline is None

@@ -58,7 +58,7 @@ class Probe(transformers.TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         opt = optimizer.optimizer
-        hooked = 0 if opt._pipeline is None else len(opt._pipeline.hooked)
+        hooked = 0 if opt.pipeline is None else len(opt.pipeline.hooked)
         self.seen.append((hooked, opt.last_step_stats.num_params, opt.last_step_stats.skipped))
 
 
@@ -82,7 +82,7 @@ def train(out: str, mode: str, max_grad_norm: float, resume: str = None, thresho
 
 def snapshot(trainer) -> dict:
     opt = trainer.optimizer.optimizer  # under accelerate's AcceleratedOptimizer
-    assert isinstance(opt, AdamBridge) and opt._pipeline is None  # detached at train end
+    assert isinstance(opt, AdamBridge) and opt.pipeline is None  # detached at train end
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     state = {n: {k: opt.state[p][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
              for n, p in trainer.model.named_parameters()}
@@ -186,7 +186,7 @@ def test_callback_refuses_what_async_mode_cannot_honour():
         args = types.SimpleNamespace(**dict(vars(plain), **{setting: value}))
         with pytest.raises(ValueError, match=setting):
             AdamBridgeCallback().on_train_begin(args, None, None, model=model, optimizer=opt)
-    assert opt._pipeline is None
+    assert opt.pipeline is None
     AdamBridgeCallback(async_mode=False).on_train_begin(
         types.SimpleNamespace(deepspeed="ds.json", fsdp="", world_size=1), None, None,
         model=model, optimizer=opt)  # sync mode: the Trainer's own handling applies
@@ -215,14 +215,14 @@ def test_a_step_the_grad_scaler_skips_is_reported_to_accelerate(hooked):
     callback = AdamBridgeCallback(async_mode=hooked)
     args = types.SimpleNamespace(deepspeed=None, fsdp="", world_size=1)
     callback.on_train_begin(args, None, None, model=model, optimizer=wrapper)
-    assert (opt._pipeline is not None) == hooked
+    assert (opt.pipeline is not None) == hooked
     before = model.weight.detach().clone()
     scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
     wrapper.step()
     assert opt.last_step_stats.skipped and torch.equal(before, model.weight)
     assert wrapper.step_was_skipped  # so the Trainer does not step the LR schedule
     callback.on_train_end(args, None, None)
-    assert opt._pipeline is None
+    assert opt.pipeline is None
 
 
 def test_readme_trainer_example_runs(tmp_path, monkeypatch):

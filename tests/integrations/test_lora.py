@@ -87,7 +87,7 @@ def loop(kind, reentrant=None, accumulation=1, max_grad_norm=FIRES, all_params=F
         opt.zero_grad()
     out = dict(adapters(model), _frozen_kept=all(torch.equal(p, q) for p, q in frozen))
     if kind == "async":
-        out["_hooked"] = len(opt._pipeline.hooked)
+        out["_hooked"] = len(opt.pipeline.hooked)
         opt.detach_hooks()
     return out
 
@@ -190,7 +190,7 @@ def trainer_run(out, mode, threshold, max_grad_norm, resume=None) -> dict:
                                    callbacks=[AdamBridgeCallback(async_mode=mode == "async")])
     trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer.optimizer
-    assert opt._pipeline is None and trainer.state.global_step == STEPS
+    assert opt.pipeline is None and trainer.state.global_step == STEPS
     assert all(int(s["step"]) == STEPS for s in opt.state.values())
     return adapters(trainer.model)
 

@@ -167,7 +167,7 @@ def test_tier_clip_first_used_after_a_commit_fails_in_one_line(tmp_path):
         opt.zero_grad()
     before = read_manifest(tmp_path)["params"]
     _loss(model, *data[2]).backward()
-    for lane in opt._pipeline.lanes.values():  # the worker has streamed what landed
+    for lane in opt.pipeline.lanes.values():  # the worker has streamed what landed
         lane.wait(lane.call(lambda: None))
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match=r"clipping first fired after the NVMe tier had "

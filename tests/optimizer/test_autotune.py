@@ -34,7 +34,7 @@ def test_autotune_threads_are_tuned_once_and_pinned(monkeypatch):
     monkeypatch.setattr(autotune, "_process_threads", [None])  # no earlier test's choice
     opt = AdamBridge([nn.Parameter(torch.randn(4))], backend="torch",
                      autotune=AutoTuneConfig(thread_candidates=(1, 2, 3)))
-    monkeypatch.setattr(opt, "_resolve_backend", lambda: "native")
+    monkeypatch.setattr(opt, "resolve_backend", lambda: "native")
     autotune.tune_threads_once(opt, cpus=(0, 1, 2))
     autotune.tune_threads_once(opt, cpus=(0, 1, 2))
     assert configured == [(1, (0, 1, 2)), (2, (0, 1, 2)), (3, (0, 1, 2)), (2, (0, 1, 2))]
@@ -127,7 +127,7 @@ def test_autotune_threads_are_tuned_once_per_process_across_optimizers(monkeypat
         fastest.update(timings)
         opt = AdamBridge([nn.Parameter(torch.randn(4))], backend="torch",
                          autotune=AutoTuneConfig(thread_candidates=(1, 2, 3)))
-        monkeypatch.setattr(opt, "_resolve_backend", lambda: "native")
+        monkeypatch.setattr(opt, "resolve_backend", lambda: "native")
         autotune.tune_threads_once(opt)
         opts.append(opt)
     assert configured == [1, 2, 3, 2, 2]  # three trials, the choice, then the choice kept

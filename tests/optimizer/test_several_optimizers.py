@@ -276,7 +276,7 @@ def test_one_parameter_in_two_optimizers_with_hooks_is_refused_at_attach(thresho
                                            r"another AdamBridge optimizer with hooks attached; "
                                            r"give each optimizer its own parameters"):
         second.attach_hooks(model)
-    assert second._pipeline is None
+    assert second.pipeline is None
 
 
 @pytest.mark.parametrize("hooked", ["first", "second"])

@@ -111,7 +111,7 @@ def test_amp_scaler_first_used_after_speculative_steps_is_an_error():
     scaler = torch.amp.GradScaler("cpu")
     x, y = data[2]
     scaler.scale(((model(x) - y) ** 2).mean()).backward()
-    for lane in opt._pipeline.lanes.values():  # let the worker update before the scaler asks
+    for lane in opt.pipeline.lanes.values():  # let the worker update before the scaler asks
         lane.wait(lane.call(lambda: None))
     with pytest.raises(RuntimeError, match=r"GradScaler was first used at a step whose updates "
                                            r"had already started.*this step had already "

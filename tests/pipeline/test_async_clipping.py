@@ -46,7 +46,7 @@ def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
     for i, (x, y) in enumerate(_data(steps)):
         (((model(x) - y) ** 2).mean() * 20).backward()
         if hooks:
-            for lane in opt._pipeline.lanes.values():
+            for lane in opt.pipeline.lanes.values():
                 lane.wait(lane.call(lambda: None))
         if clip == "torch" and i >= torch_clip_from:
             clip_grad_norm_ = clip_fn or torch.nn.utils.clip_grad_norm_  # looked up now
@@ -160,7 +160,7 @@ def test_clipping_first_used_mid_training_with_fp8_moments_warns(caplog):
         for i, (x, y) in enumerate(_data(3)):
             (((model(x) - y) ** 2).mean() * 20).backward()
             if i == 2:  # first clip, after the worker has updated speculatively
-                for lane in opt._pipeline.lanes.values():
+                for lane in opt.pipeline.lanes.values():
                     lane.wait(lane.call(lambda: None))
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()

@@ -114,7 +114,7 @@ class KeepUp(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = optimizer.optimizer
-        if opt._pipeline is not None:
+        if opt.pipeline is not None:
             keep_up(opt, model)
 
 

@@ -52,7 +52,7 @@ def _opt(model, **kw):
 
 
 def _settle(opt):
-    for lane in opt._pipeline.lanes.values():  # the worker has handled what was queued
+    for lane in opt.pipeline.lanes.values():  # the worker has handled what was queued
         lane.wait(lane.call(lambda: None))
 
 
@@ -125,7 +125,7 @@ def test_fault_dead_worker_thread_is_replaced_at_the_next_step():
     x = torch.randn(2, 16)
     model(x).backward()
     opt.step()
-    lane = next(iter(opt._pipeline.lanes.values()))
+    lane = next(iter(opt.pipeline.lanes.values()))
     lane.stop()  # the worker thread ends, as if killed
     assert not lane.thread.is_alive()
     opt.zero_grad()

@@ -103,7 +103,7 @@ def _pair(dtype: torch.dtype, precision: str):
 def _step(models, opts, x) -> None:
     for model, opt in zip(models, opts):
         model(x).square().mean().backward()
-        if opt._pipeline is not None:
+        if opt.pipeline is not None:
             opt.step_sync()
         else:
             opt.step()
@@ -181,7 +181,7 @@ def test_kept_row_refuses_a_gradient_the_kernel_cannot_read():
     for _ in range(2):
         _step(models, opts, x)
     p = models[1].a.weight  # fp32 and contiguous: the kernel writes into p (no out)
-    pieces = opts[1]._pipeline._pieces[id(p)][-1]
+    pieces = opts[1].pipeline._pieces[id(p)][-1]
     job = pieces[0].job
     job.begin(opts[1], 0, opts[1].param_groups[0], opts[1].state[p], 3,
               torch.zeros(p.numel() + 1), None, None, 1, None)

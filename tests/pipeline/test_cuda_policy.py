@@ -13,6 +13,7 @@ from adambridge.host import topology
 from adambridge.host.topology import NumaNode
 from adambridge.pipeline.transport import CudaTransport
 from fake_cuda import FakeCuda
+from _attach import attach_with
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def _model() -> nn.Module:
 
 def _attached(model, **opt_args):
     opt = AdamBridge(model.parameters(), backend="torch", small_param_threshold=100, **opt_args)
-    pipeline.attach(opt, model, make_transport=CudaTransport)
+    attach_with(opt, model, make_transport=CudaTransport)
     return opt
 
 
@@ -136,7 +137,7 @@ def test_policy_frozen_parameters_get_no_pinned_slot(cuda):
     model = _model()
     model[2].weight.requires_grad_(False)  # owned by the optimizer, never a gradient
     opt = _attached(model)
-    slots = opt._pipeline.lanes[torch.device("cpu")].transport._slots
+    slots = opt.pipeline.lanes[torch.device("cpu")].transport._slots
     assert model[2].weight not in slots and model[2].bias in slots
     _steps(model, opt, hooks=True, steps=2)
     frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)

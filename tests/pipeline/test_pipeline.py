@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from _attach import attach_with
 from adambridge import AdamBridge, StepStats
 from adambridge.pipeline import hooks as pipeline, work_items, worker
 from adambridge.pipeline.transport import HostTransport
@@ -238,13 +239,13 @@ def _scheduled(monkeypatch, model, **opt_args):
     monkeypatch.setattr(worker.Lane, "run", counted_run)
     opt = AdamBridge(model.parameters(), backend="torch", **opt_args)
     transports: list = []
-    pipeline.attach(opt, model, make_transport=lambda d: transports.append(
+    attach_with(opt, model, make_transport=lambda d: transports.append(
         ManualTransport(d, events)) or transports[-1])
     return opt, events, transports[0], batch_done
 
 
 def _drain(opt) -> None:
-    for lane in opt._pipeline.lanes.values():  # the worker has handled all that was queued
+    for lane in opt.pipeline.lanes.values():  # the worker has handled all that was queued
         lane.wait(lane.call(lambda: None))
 
 
@@ -297,10 +298,10 @@ def test_schedule_first_step_after_attach_updates_nothing_before_the_step(monkey
     opt, events, backward = _layered(monkeypatch)
     backward()
     assert not [e for e in events if e[0] == "batch"], events
-    assert not any(opt.state[p] for p in opt._pipeline.owned)
+    assert not any(opt.state[p] for p in opt.pipeline.owned)
     opt.step_sync()
     assert [e for e in events if e[0] == "batch"]
-    assert all(int(opt.state[p]["step"]) == 1 for p in opt._pipeline.owned)
+    assert all(int(opt.state[p]["step"]) == 1 for p in opt.pipeline.owned)
 
 
 def test_schedule_batches_grow_under_load(monkeypatch):
@@ -309,7 +310,7 @@ def test_schedule_batches_grow_under_load(monkeypatch):
     layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(12)))
     opt = AdamBridge(layers.parameters(), backend="torch", small_param_threshold=0)
     transports = []
-    pipeline.attach(opt, layers, make_transport=lambda d: transports.append(ManualTransport(d, []))
+    attach_with(opt, layers, make_transport=lambda d: transports.append(ManualTransport(d, []))
                     or transports[-1])
     transport, x = transports[0], torch.randn(2, 8)
     transport.land(10**9)
@@ -499,7 +500,7 @@ def test_a_parameter_without_elements_is_not_hooked_and_steps_as_torch():
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", small_param_threshold=0)
     opt.attach_hooks(model)
-    assert not opt._pipeline.hooks(model.empty) and opt._pipeline.hooks(model.linear.weight)
+    assert not opt.pipeline.hooks(model.empty) and opt.pipeline.hooks(model.linear.weight)
     for _ in range(3):
         x = torch.randn(3, 4)
         for net, optimizer in ((reference, ref_opt), (model, opt)):
@@ -557,7 +558,7 @@ def test_worker_exits_when_optimizer_is_collected():
     opt.attach_hooks(model)
     model(torch.randn(2, 8)).sum().backward()
     opt.step_sync()
-    threads = [lane.thread for lane in opt._pipeline.lanes.values()]
+    threads = [lane.thread for lane in opt.pipeline.lanes.values()]
     del opt
     gc.collect()
     for thread in threads:
@@ -642,8 +643,8 @@ def test_numa_native_pool_is_pinned_to_the_workers_node(monkeypatch):
     for numa_aware, expected in ((True, [(1, (0,))]), (False, [])):
         configured.clear()
         opt = AdamBridge(model.parameters(), backend="torch", numa_aware=numa_aware)
-        monkeypatch.setattr(opt, "_resolve_backend", lambda: "native")
-        pipeline.attach(opt, model)
+        monkeypatch.setattr(opt, "resolve_backend", lambda: "native")
+        attach_with(opt, model)
         opt.detach_hooks()
         assert configured == expected
 

@@ -27,9 +27,12 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from .door import OptimizerDoor
 
 PRECISION_LADDER = ("fp32", "bf16", "fp8")
 
@@ -128,7 +131,7 @@ def _kernel_timer(precision: str, numel: int = _BENCH_NUMEL) -> Callable[[], flo
 _threads_tuned: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers whose threads decision 1 made
 
 
-def tune_threads_once(opt: Any, cpus: Sequence[int] = ()) -> None:
+def tune_threads_once(opt: OptimizerDoor, cpus: Sequence[int] = ()) -> None:
     """Decision 1 (see the module docstring); later calls do nothing."""
     config = opt.autotune_config
     if config is None or opt in _threads_tuned:
@@ -234,7 +237,7 @@ class Tuner:
             convert_states(pipeline, target)
 
 
-def resumed(opt: Any, state_dict: Any) -> tuple[str, Optional[dict]]:
+def resumed(opt: OptimizerDoor, state_dict: Any) -> tuple[str, Optional[dict]]:
     """(precision to load the state in, the tuner's saved state or None) for a checkpoint.
 
     A checkpoint of a run that started from this optimizer's precision (the same

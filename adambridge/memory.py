@@ -7,14 +7,17 @@ buffers per device for a synchronous step() on a device. B/param figures must in
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sync import transfer
 
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from .door import OptimizerDoor
 
-def breakdown(opt: Any) -> dict[str, int]:
+
+def breakdown(opt: OptimizerDoor) -> dict[str, int]:
     """{'state', 'pinned_staging', 'writeback', 'kept', 'total'} in bytes.
 
     state: masters and moments; pinned_staging: page-locked buffers (attach_hooks'

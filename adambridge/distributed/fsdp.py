@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -27,6 +27,9 @@ from .. import checkpoint
 from ..update import state as host_state
 from ..update.codecs import stream_key
 from ..update.functional import Hyper, adamw_update
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 _FSDP1_MARK = "_fsdp_flattened"  # torch.distributed.fsdp._common_utils.FSDP_FLATTENED
 
@@ -42,7 +45,7 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def holds_dtensors(opt: Any) -> bool:
+def holds_dtensors(opt: OptimizerDoor) -> bool:
     """Whether any parameter of ``opt`` is a DTensor (FSDP2 or tensor parallelism)."""
     if _dtensor_type() is None:
         return False
@@ -89,7 +92,7 @@ class GroupLookup:
     from hooks: load_state_dict (and users) may replace the groups with new dicts, and the
     loaded hyperparameters must reach the update, as in the synchronous step."""
 
-    def __init__(self, opt: Any) -> None:
+    def __init__(self, opt: OptimizerDoor) -> None:
         import weakref
         self._opt_ref = weakref.ref(opt)
         self._seen: list = []
@@ -111,7 +114,7 @@ def local_of(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if is_dtensor(p) else p
 
 
-def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
+def sync_step(opt: OptimizerDoor, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
     """``opt.step()`` over DTensor (and plain) parameters: each rank updates its shard.
 
     ``skip``: parameters already updated in this step (FSDP2 async mode, distributed/fsdp_async.py).
@@ -129,14 +132,14 @@ def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset())
     stats.host_update_s = stats.wall_s = time.perf_counter() - began
 
 
-def shard_work(opt: Any, p: torch.Tensor, group: dict) -> tuple:
+def shard_work(opt: OptimizerDoor, p: torch.Tensor, group: dict) -> tuple:
     """(p, group, global offset, local gradient) of a parameter whose gradient is checked."""
     sharded = is_dtensor(p)
     offset = shard_offset(p, opt.index(p)) if sharded else 0
     return p, group, offset, _local_grad(p, opt.index(p)) if sharded else p.grad
 
 
-def update_shards(opt: Any, work: list) -> list:
+def update_shards(opt: OptimizerDoor, work: list) -> list:
     """Update each (p, group, offset, grad) of ``work`` in one batch; returns what was done."""
     items, done = [], []
     for p, group, offset, grad in work:
@@ -166,7 +169,7 @@ def _local_grad(p: torch.Tensor, index: int) -> torch.Tensor:
     return grad.to_local()
 
 
-def _item(opt: Any, p: torch.Tensor, group: dict, state: dict, step: int,
+def _item(opt: OptimizerDoor, p: torch.Tensor, group: dict, state: dict, step: int,
           grad: torch.Tensor, out: Optional[torch.Tensor], offset: int) -> Any:
     """The shard's UpdateItem: state-local views, rounding bits keyed by the global offset."""
     hyper = Hyper.for_group(group, step)
@@ -181,7 +184,7 @@ def _aliases(local: torch.Tensor) -> bool:
     return host_state.can_alias_master(local)
 
 
-def ensure_range_state(opt: Any, p: torch.Tensor, values: torch.Tensor,
+def ensure_range_state(opt: OptimizerDoor, p: torch.Tensor, values: torch.Tensor,
                        owner: torch.Tensor) -> dict:
     """ParamOwner.ensure_state for part of p (an FSDP2 shard, a shard_state range): the state
     of ``values``, made from them and refreshed from them when ``owner`` (the tensor they
@@ -198,7 +201,7 @@ def ensure_range_state(opt: Any, p: torch.Tensor, values: torch.Tensor,
     return state
 
 
-def _out(opt: Any, p: torch.Tensor, local: torch.Tensor) -> Optional[torch.Tensor]:
+def _out(opt: OptimizerDoor, p: torch.Tensor, local: torch.Tensor) -> Optional[torch.Tensor]:
     if _aliases(local) or (local.dtype == torch.float32 and not local.is_cpu):
         return None  # the master is the shard itself, or the fp32 copy to send
     if local.is_cpu and local.is_contiguous():
@@ -206,7 +209,7 @@ def _out(opt: Any, p: torch.Tensor, local: torch.Tensor) -> Optional[torch.Tenso
     return opt.writeback_buffer(p, local.numel(), local.dtype)
 
 
-def _write_back(opt: Any, p: torch.Tensor, local: torch.Tensor, state: dict) -> None:
+def _write_back(opt: OptimizerDoor, p: torch.Tensor, local: torch.Tensor, state: dict) -> None:
     if local.is_cpu and local.is_contiguous():
         torch.autograd.graph.increment_version([local])  # the kernel wrote through it
         return

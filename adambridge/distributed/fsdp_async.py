@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -39,8 +39,11 @@ from . import fsdp
 from .landed_worker import LandedWorker, with_suffix
 from ..stats import StepStats
 
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
-def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
+
+def attach(opt: OptimizerDoor, model: Optional[torch.nn.Module], accumulation_steps: int,
            closes_window: Optional[Callable[[], bool]]) -> "ShardUpdater":
     """attach_hooks() for an optimizer holding DTensor parameters (FSDP2)."""
     if accumulation_steps != 1 or closes_window is not None:
@@ -69,7 +72,7 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
 class ShardUpdater(LandedWorker):
     """The FSDP2 counterpart of pipeline.Pipeline: hooks, one worker thread, finish()."""
 
-    def __init__(self, opt: Any, params: list) -> None:
+    def __init__(self, opt: OptimizerDoor, params: list) -> None:
         self.opt = opt
         self._group_of = fsdp.GroupLookup(opt)  # the groups as they are at each hook
         self._hooked = set(params)

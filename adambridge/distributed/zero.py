@@ -30,7 +30,7 @@ parameters have a gradient.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -39,6 +39,9 @@ from .. import checkpoint
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from ..update.functional import adamw_update
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 _ALIGN = 8  # byte alignment of each piece in an exchange buffer (any dtype can view it)
 
@@ -90,14 +93,14 @@ class _Group:
     the parameters' GPU when they are on one (an NCCL-only group has no CPU collectives),
     else the CPU."""
 
-    def __init__(self, group: Any, opt: Any) -> None:
+    def __init__(self, group: Any, opt: OptimizerDoor) -> None:
         import torch.distributed as dist
         self.group, self.dist = group, dist
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         devices = [p.device for g in opt.param_groups for p in g["params"]]
         self.device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
-    def range(self, opt: Any, p: torch.Tensor, rank: Optional[int] = None) -> tuple[int, int]:
+    def range(self, opt: OptimizerDoor, p: torch.Tensor, rank: Optional[int] = None) -> tuple[int, int]:
         return chunk_range(p.numel(), opt.index(p), self.rank if rank is None else rank,
                            self.world)
 
@@ -142,7 +145,7 @@ def exchange(g: _Group, sizes: list, local: list, device: torch.device) -> list:
 # --------------------------------------------------------------------------- the step
 
 
-def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
+def sync_step(opt: OptimizerDoor, stats: Any, began: float, skip: frozenset = frozenset()) -> None:
     """``opt.step()`` with sharded state: update this rank's ranges, all-gather the rest.
 
     ``skip``: parameters whose range was already updated in this step (asynchronous mode,
@@ -167,7 +170,7 @@ def sync_step(opt: Any, stats: Any, began: float, skip: frozenset = frozenset())
     stats.host_update_s = stats.wall_s = time.perf_counter() - began
 
 
-def update_ranges(opt: Any, work: list) -> list:
+def update_ranges(opt: OptimizerDoor, work: list) -> list:
     """Update each (p, group, start, end, host gradient of the range) of ``work`` in one
     batch: the state of p's range is made or refreshed, ``state["step"]`` committed after.
     Returns (p, state, start, end) of each."""
@@ -186,7 +189,7 @@ def update_ranges(opt: Any, work: list) -> list:
     return [(p, state, start, end) for p, state, _, start, end in done]
 
 
-def _collect(opt: Any, g: _Group) -> list:
+def _collect(opt: OptimizerDoor, g: _Group) -> list:
     """(p, group) of every parameter with a gradient, checked, and the same on every rank."""
     work, flags = [], []
     for i, group in enumerate(opt.param_groups):
@@ -224,7 +227,7 @@ def _aliases(p: torch.Tensor) -> bool:
     return host_state.can_alias_master(p)
 
 
-def _out(opt: Any, p: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
+def _out(opt: OptimizerDoor, p: torch.Tensor, start: int, end: int) -> Optional[torch.Tensor]:
     if _aliases(p) or (p.dtype == torch.float32 and not p.is_cpu):
         return None  # the master is p's range itself, or the fp32 copy to send
     if p.is_cpu:
@@ -232,13 +235,13 @@ def _out(opt: Any, p: torch.Tensor, start: int, end: int) -> Optional[torch.Tens
     return opt.writeback_buffer(p, end - start, p.dtype)
 
 
-def _new_values(opt: Any, p: torch.Tensor, state: dict, start: int, end: int) -> torch.Tensor:
+def _new_values(opt: OptimizerDoor, p: torch.Tensor, state: dict, start: int, end: int) -> torch.Tensor:
     if p.is_cpu:
         return p.detach().view(-1)[start:end]
     return state["master"] if p.dtype == torch.float32 else opt.kept_writeback(p)
 
 
-def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
+def _gather_params(opt: OptimizerDoor, g: _Group, params: list, mine: dict) -> None:
     """Every rank's new values of its ranges into every rank's parameters."""
     if not params:
         return
@@ -259,7 +262,7 @@ def _gather_params(opt: Any, g: _Group, params: list, mine: dict) -> None:
     _record_written(opt, params, mine)
 
 
-def _record_written(opt: Any, params: list, mine: dict) -> None:
+def _record_written(opt: OptimizerDoor, params: list, mine: dict) -> None:
     cpu = [p for p in params if p.is_cpu and p in mine]
     if cpu:
         torch.autograd.graph.increment_version(cpu)  # the kernel wrote through them
@@ -285,7 +288,7 @@ def _piece_numel(key: str, start: int, end: int) -> int:
     return end - start
 
 
-def saved_state(opt: Any) -> dict:
+def saved_state(opt: OptimizerDoor) -> dict:
     """{index: entry} of every parameter with state, whole (a collective: every rank calls)."""
     g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -317,7 +320,7 @@ def saved_state(opt: Any) -> dict:
     return out
 
 
-def restore(opt: Any, state_dict: Any) -> tuple:
+def restore(opt: OptimizerDoor, state_dict: Any) -> tuple:
     """checkpoint.restore of a whole (unsharded-layout) checkpoint, kept to this rank's
     ranges; nothing is changed before every value is checked."""
     g = _Group(opt.shard_group, opt)

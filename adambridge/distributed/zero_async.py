@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -37,10 +37,13 @@ from . import ddp as ddp_async, fsdp, zero
 from .landed_worker import LandedWorker, with_suffix
 from ..stats import StepStats
 
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
+
 _log = logging.getLogger("adambridge")
 
 
-def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
+def attach(opt: OptimizerDoor, model: Optional[torch.nn.Module], accumulation_steps: int,
            closes_window: Optional[Callable[[], bool]]) -> "RangeUpdater":
     """attach_hooks() for an optimizer with ``shard_state``: hooks through DDP's comm hook."""
     if fsdp.holds_dtensors(opt):
@@ -72,7 +75,7 @@ def attach(opt: Any, model: Optional[torch.nn.Module], accumulation_steps: int,
 class RangeUpdater(LandedWorker):
     """The shard_state counterpart of pipeline.Pipeline: ranges, one worker thread, finish()."""
 
-    def __init__(self, opt: Any, params: list) -> None:
+    def __init__(self, opt: OptimizerDoor, params: list) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self._shards = zero._Group(opt.shard_group, opt)
         self._group_of = fsdp.GroupLookup(opt)

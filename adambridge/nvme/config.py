@@ -9,11 +9,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .engine import check_engine
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 PathArg = Union[str, os.PathLike]
 
@@ -109,7 +112,7 @@ def place(params: Sequence[tuple[int, int]], precision: str, budget: Optional[in
     return where
 
 
-def all_in_ram(opt: Any) -> list[Placed]:
+def all_in_ram(opt: OptimizerDoor) -> list[Placed]:
     """The placement of an optimizer without a tier: every state in RAM."""
     per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
     return [Placed(i, p.numel(), "ram", int(per_param * p.numel()))

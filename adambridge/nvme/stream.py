@@ -11,7 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,6 +19,9 @@ from ..update.functional import adamw_update
 from ..update.state import is_rounding_of
 from .direct_io import AlignedBuffer, IOEngine
 from .layout import PageLayout, ParamFiles
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 
 @dataclass(eq=False)
@@ -36,7 +39,7 @@ class StreamJob:
     adopt: bool = False     # p was written by anyone else: source replaces the master
 
 
-def page_item(opt: Any, p: torch.Tensor, group: dict, views: dict, step: int,
+def page_item(opt: OptimizerDoor, p: torch.Tensor, group: dict, views: dict, step: int,
               grad: torch.Tensor, out: torch.Tensor, start: int) -> Any:
     """The UpdateItem of one page: the optimizer's range builder on the page's buffer views,
     with offset = the page's first element (same rounding bits as an in-RAM step) and the
@@ -62,7 +65,7 @@ class PageStream:
             self.pool.register(self.buffers)
         return self.buffers
 
-    def run(self, opt: Any, jobs: list[StreamJob], backend: str,
+    def run(self, opt: OptimizerDoor, jobs: list[StreamJob], backend: str,
             before_write: Optional[Future] = None) -> float:
         """Stream every page of ``jobs``; return the seconds spent in the kernel.
 
@@ -129,7 +132,7 @@ class PageStream:
         return self.pool.read(file, buffer, offset, job.files.layout.record_bytes)
 
     @staticmethod
-    def _update(opt: Any, job: StreamJob, k: int, buffer: AlignedBuffer, backend: str) -> None:
+    def _update(opt: OptimizerDoor, job: StreamJob, k: int, buffer: AlignedBuffer, backend: str) -> None:
         start, numel = job.files.page(k)
         end = start + numel
         views = job.files.layout.views(buffer, numel)

@@ -19,7 +19,7 @@ import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -34,8 +34,11 @@ from .layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_
 from .stream import PageStream, StreamJob, master_is_rounding
 from ..stats import StepStats
 
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
-def placement(opt: Any) -> list[Placed]:
+
+def placement(opt: OptimizerDoor) -> list[Placed]:
     """``opt.placement()``: where each parameter's state lives, in state_dict order."""
     tier = opt.nvme_tier
     return all_in_ram(opt) if tier is None else tier.placement()
@@ -54,7 +57,7 @@ class FiledState(dict):
 class Tier:
     """The file-backed state of one optimizer (``opt.nvme_tier``)."""
 
-    def __init__(self, opt: Any, config: OffloadConfig, host_budget: Optional[int]) -> None:
+    def __init__(self, opt: OptimizerDoor, config: OffloadConfig, host_budget: Optional[int]) -> None:
         self.config, self.host_budget = config, host_budget
         self.dirs: tuple[Path, ...] = tuple(config.paths)
         self._opt = weakref.ref(opt)

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -56,13 +56,16 @@ from .work_items import Job, Piece, StepRecord, WriteBack
 from .worker import _STOP, Lane, chunk_ranges, worker_cpus
 from .corrections import FactsMixin
 
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
+
 _log = logging.getLogger("adambridge")
 
 
 class Pipeline(FactsMixin):
     """The hooks of one optimizer and one Lane per device; ``opt.pipeline`` while attached."""
 
-    def __init__(self, opt: Any, model: Optional[torch.nn.Module], *,
+    def __init__(self, opt: OptimizerDoor, model: Optional[torch.nn.Module], *,
                  make_transport: Callable[[torch.device], Any] = make_transport,
                  accumulation_steps: int = 1,
                  closes_window: Optional[Callable[[], bool]] = None,
@@ -191,7 +194,7 @@ class Pipeline(FactsMixin):
         except Exception as exc:  # noqa: BLE001 - e.g. no pinned memory: raised by finish
             record.fail(exc, f"sending the gradient of parameter {opt.index(p)} to the host")
 
-    def _check_release_unchanged(self, opt: Any) -> None:
+    def _check_release_unchanged(self, opt: OptimizerDoor) -> None:
         # Small released gradients are copied at the hook (transport.stage): a kept p.grad
         # would then miss what clipping does to the copy.
         if opt.release_grads != self._released:
@@ -290,7 +293,7 @@ class Pipeline(FactsMixin):
             job = self._jobs[id(p)] = Job(None, p, 0, {}, None, 0, None, None, None, 0)
         return job
 
-    def _start_job(self, opt: Any, record: StepRecord, p: torch.Tensor, index: int,
+    def _start_job(self, opt: OptimizerDoor, record: StepRecord, p: torch.Tensor, index: int,
                    group: dict, grad: torch.Tensor, out: Optional[torch.Tensor], pieces: int,
                    new: bool, transport: Any) -> Job:
         """p's reused Job, begun for this step and entered in ``record.jobs``; the worker
@@ -302,7 +305,7 @@ class Pipeline(FactsMixin):
         record.jobs[p] = job
         return job
 
-    def _pieces_of(self, opt: Any, p: torch.Tensor) -> tuple:
+    def _pieces_of(self, opt: OptimizerDoor, p: torch.Tensor) -> tuple:
         """(chunking key, lane, index, group, chunk ranges, reused Pieces) of p: remade when
         the chunking changed, dropped when param_groups change (see _refresh_groups)."""
         key = (opt.chunk_size, p.is_contiguous())  # the autotuner may change chunk_size
@@ -324,7 +327,7 @@ class Pipeline(FactsMixin):
         return sum(t.numel() * t.element_size() for cached in self._pieces.values()
                    for piece in cached[5] if piece.kept for t in piece.kept if t is not None)
 
-    def _enqueue(self, opt: Any, p: torch.Tensor, record: StepRecord,
+    def _enqueue(self, opt: OptimizerDoor, p: torch.Tensor, record: StepRecord,
                  reduced: Optional[torch.Tensor] = None) -> None:
         # NOTE: one call per gradient from here on (the Job is the pieces' own),
         # the index and group kept with the pieces, which go whenever param_groups change.
@@ -344,7 +347,7 @@ class Pipeline(FactsMixin):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
             lane.submit(piece)
 
-    def _release(self, opt: Any, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
+    def _release(self, opt: OptimizerDoor, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
         if opt.release_grads:
             lane.transport.release(grad)
             p.grad = None
@@ -640,7 +643,7 @@ def _stage_small_grads(lanes: dict, hooked: list, release_grads: bool) -> None:
             stage([p for p in hooked if p.device == device and p.numel() <= _STAGE_MAX_NUMEL])
 
 
-def _refuse_shared_params(owned: list, opt: Any) -> None:
+def _refuse_shared_params(owned: list, opt: OptimizerDoor) -> None:
     # Every owned parameter, hooked or not: a pipeline takes the gradient of each out of
     # p.grad, so the other optimizer would silently skip it (or reuse a used gradient).
     shared = interception.owned_anywhere(owned)
@@ -710,7 +713,7 @@ def _raise_step_error(record: StepRecord, late: Optional[late_work.LateWork] = N
     raise error from None
 
 
-def new(opt: Any, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
+def new(opt: OptimizerDoor, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
     """The hooks for ``opt`` (see AdamBridge.attach_hooks, which holds what this returns and
     then calls start()); ``options`` are for tests."""
     cuda_policy.check_model(model)
@@ -741,7 +744,7 @@ def _pool_cpus(pipeline: Pipeline) -> tuple[int, ...]:
     return ()
 
 
-def _configure_pool(opt: Any, cpus: tuple[int, ...], threads: Optional[int] = None) -> None:
+def _configure_pool(opt: OptimizerDoor, cpus: tuple[int, ...], threads: Optional[int] = None) -> None:
     if cpus or opt.num_threads is not None or threads:
         from .._native import loader
         loader.set_num_threads(opt.num_threads or threads or len(cpus), cpus)

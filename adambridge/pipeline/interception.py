@@ -29,13 +29,16 @@ import inspect
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
 from . import step_wide
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 _lock = threading.Lock()
 _pipelines: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -255,7 +258,7 @@ def owned_anywhere(params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
     return next((p for p in params if any(_claims(pl, p) for pl in pipelines)), None)
 
 
-def check_sync_step(opt: Any) -> None:
+def check_sync_step(opt: OptimizerDoor) -> None:
     """Refuse a synchronous step over a parameter another optimizer's pipeline owns.
 
     That pipeline takes the gradient out of p.grad (release_grads) and updates p itself, so

@@ -19,9 +19,12 @@ import logging
 import os
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .work_items import StepRecord
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 # The longest step() waits for the workers (ADAMBRIDGE_SYNC_TIMEOUT, seconds).
 SYNC_TIMEOUT_S = float(os.environ.get("ADAMBRIDGE_SYNC_TIMEOUT", "600"))
@@ -36,7 +39,7 @@ _pending: "weakref.WeakKeyDictionary[Any, LateWork]" = weakref.WeakKeyDictionary
 class LateWork:
     """The calls a timed-out step left on its worker threads, and the optimizer's guard."""
 
-    def __init__(self, opt: Any, record: StepRecord, waits: list, running: list) -> None:
+    def __init__(self, opt: OptimizerDoor, record: StepRecord, waits: list, running: list) -> None:
         # The record's lock and the list the late commits extend, not the record: its errors'
         # tracebacks hold the frames of the step() that timed out, and so the optimizer.
         self._lock, self._updated = record.lock, record.updated
@@ -80,7 +83,7 @@ class LateWork:
         return (f"adambridge: {what} refused: the update that timed out at the last step "
                 f"has not ended (parameters {self.running} may still change); {_WAIT_HINT}")
 
-    def close(self, opt: Any) -> str:
+    def close(self, opt: OptimizerDoor) -> str:
         """Lift the guard once the work has ended; returns what the timed-out step left."""
         for handle in self._handles:
             handle.remove()
@@ -92,7 +95,7 @@ class LateWork:
         return (f"the update that timed out has ended: parameters {took} took that step "
                 f"(their state[\"step\"] says so), the others did not")
 
-    def settle(self, opt: Any, backward_ran: bool, timeout_s: float) -> None:
+    def settle(self, opt: OptimizerDoor, backward_ran: bool, timeout_s: float) -> None:
         """The first step after the timeout: wait (only without a backward), then raise or
         lift the guard. Nothing of this step is applied either way."""
         ended = self.ended() if backward_ran else self.wait(timeout_s)
@@ -113,12 +116,12 @@ class LateWork:
         _log.warning("adambridge: %s", report)
 
 
-def pending(opt: Any) -> "LateWork | None":
+def pending(opt: OptimizerDoor) -> "LateWork | None":
     late = _pending.get(opt)
     return None if late is None or late.closed else late
 
 
-def check_attach(opt: Any) -> None:
+def check_attach(opt: OptimizerDoor) -> None:
     """attach_hooks(): refused while a detached pipeline's late work runs; lifted if ended."""
     late = pending(opt)
     if late is None:
@@ -128,7 +131,7 @@ def check_attach(opt: Any) -> None:
     _log.warning("adambridge: %s", late.close(opt))
 
 
-def _before_step(opt: Any, args: Any, kwargs: Any) -> None:
+def _before_step(opt: OptimizerDoor, args: Any, kwargs: Any) -> None:
     late = pending(opt)
     if late is None or late.attached:
         return  # the attached pipeline's finish() settles it, with its own step record
@@ -136,13 +139,13 @@ def _before_step(opt: Any, args: Any, kwargs: Any) -> None:
     late.settle(opt, any(p.grad is not None for p in params), SYNC_TIMEOUT_S)
 
 
-def _before_state_dict(opt: Any) -> None:
+def _before_state_dict(opt: OptimizerDoor) -> None:
     late = pending(opt)
     if late is not None and not late.ended():
         raise RuntimeError(late.refusal("state_dict()"))
 
 
-def _before_load_state_dict(opt: Any, state_dict: Any) -> None:
+def _before_load_state_dict(opt: OptimizerDoor, state_dict: Any) -> None:
     late = pending(opt)
     if late is not None and not late.ended():
         raise RuntimeError(late.refusal("load_state_dict()"))

@@ -19,12 +19,15 @@ one process alone keeps the pool as before.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
 from . import cuda_policy
 from ..host import topology
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 
 def local_ranks(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -86,7 +89,7 @@ def plan(device: torch.device, numa_aware: bool, env: Mapping[str, str] = os.env
     return cpus, (len(cpus) or None)
 
 
-def configure(opt: Any) -> None:
+def configure(opt: OptimizerDoor) -> None:
     """Size and pin the native pool for this rank (called once, as the backend resolves)."""
     if opt.num_threads is not None:
         return  # the user's thread count wins

@@ -11,9 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 
 class StepRecord:
@@ -67,7 +70,7 @@ class Job:
     gradient until step_sync, enough to trigger a full collection every few steps.
     """
 
-    opt: Any
+    opt: OptimizerDoor
     p: torch.Tensor
     index: int
     group: dict
@@ -91,7 +94,7 @@ class Job:
     def speculative(self) -> bool:
         return bool(self.updated_ranges) or self.streamed
 
-    def begin(self, opt: Any, index: int, group: dict, state: Optional[dict], step: int,
+    def begin(self, opt: OptimizerDoor, index: int, group: dict, state: Optional[dict], step: int,
               grad: torch.Tensor, out: Optional[torch.Tensor], source: Optional[torch.Tensor],
               pieces: int, transport: Any) -> None:
         """Take this job into a new step: every per-step field is set as a new Job has it."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 from operator import attrgetter, eq, is_, is_not, itemgetter
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,9 @@ from . import transfer
 from .._native import plan_checks
 from ..update.functional import Hyper, NativeBatch, stream_keys
 from ..update.state import can_alias_master
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 _grad_of = attrgetter("grad")
 _version_of = attrgetter("_version")
@@ -76,7 +79,7 @@ def _plain_step(state: dict) -> bool:
         and step.dtype == torch.float32
 
 
-def eligible(opt: Any, work: Sequence[tuple], backend: str) -> bool:
+def eligible(opt: OptimizerDoor, work: Sequence[tuple], backend: str) -> bool:
     """Whether a plan can carry this step's ``work`` ((p, group, state, step) per parameter)."""
     if backend != "native" or opt.nvme_tier is not None or opt.pipeline is not None:
         return False
@@ -91,7 +94,7 @@ class StepPlan:
     whether this step can use it, ``run(opt)`` does the step.
     """
 
-    def __init__(self, opt: Any, work: Sequence[tuple]) -> None:
+    def __init__(self, opt: OptimizerDoor, work: Sequence[tuple]) -> None:
         self.groups = list(opt.param_groups)
         self.where = [f"param_groups[{i}]" for i in range(len(self.groups))]
         self.flat = list(chain.from_iterable(g["params"] for g in self.groups))
@@ -153,7 +156,7 @@ class StepPlan:
         for state, view in zip(self.states, self.steps.unbind(0)):
             state["step"] = view
 
-    def _index_rows(self, opt: Any, work: Sequence[tuple]) -> None:
+    def _index_rows(self, opt: OptimizerDoor, work: Sequence[tuple]) -> None:
         # The full path lists a group's parameters together, in group order: one segment each.
         self.segments, start = [], 0
         for i, (_, group, _, _) in enumerate(work):
@@ -164,7 +167,7 @@ class StepPlan:
 
     # ------------------------------------------------------------------ does it still fit
 
-    def fits(self, opt: Any) -> bool:
+    def fits(self, opt: OptimizerDoor) -> bool:
         """Whether this step's parameters, gradients and states are the plan's; new gradient
         tensors that pass every check of the full path are taken in. Raises what the full
         path raises for a group flag; changes nothing else when it answers False."""
@@ -205,13 +208,13 @@ class StepPlan:
                 and all(map(_is_contiguous, params))
                 and (not self.copied or list(map(_version_of, self.copied)) == self.versions))
 
-    def same_state_dicts(self, opt: Any) -> bool:
+    def same_state_dicts(self, opt: OptimizerDoor) -> bool:
         """opt.state is the plan's, with the same keys and the same state dict objects."""
         # Reading opt.state in order hashes no tensor (Tensor.__hash__ is Python code).
         return (opt.state is self.state and _same(list(self.state.keys()), self.state_keys)
                 and _same(list(self.state.values()), self.state_values))
 
-    def _same_states(self, opt: Any) -> bool:
+    def _same_states(self, opt: OptimizerDoor) -> bool:
         """The same state dicts, holding the same tensors (replacing one rebuilds the plan)."""
         if not self.same_state_dicts(opt):
             return False
@@ -279,7 +282,7 @@ class StepPlan:
 
     # ------------------------------------------------------------------ the step
 
-    def run(self, opt: Any) -> None:
+    def run(self, opt: OptimizerDoor) -> None:
         """One update of every parameter of the plan: keys, hyperparameters, one native call,
         then the counters and the autograd versions (as ParamOwner.mark_written bumps them)."""
         steps = self.steps + 1
@@ -376,7 +379,7 @@ class _NativeFacts:
             return None
         return cls(lib, plan, param_rows, grad_rows)
 
-    def fits(self, plan: StepPlan, opt: Any) -> bool:
+    def fits(self, plan: StepPlan, opt: OptimizerDoor) -> bool:
         """StepPlan.fits after its group checks: the groups' parameter lists, the parameters,
         the states, then the gradients, whose pointers are written into the batch when all of
         them fit."""

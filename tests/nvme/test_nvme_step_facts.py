@@ -13,15 +13,14 @@ from torch import nn
 from adambridge import AdamBridge
 from adambridge.nvme.tier import OffloadConfig
 from adambridge.nvme.layout import read_committed, read_manifest
+from _tiny import tiny_mlp
 
 RTOL, ATOL = 1e-6, 1e-7  # docs/numerics.md
 FILED = ("0.weight", "2.weight")  # 768 and 2304 elements: in files under the budget below
 
 
 def _model(dtype=torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(),
-                         nn.Linear(48, 6)).to(dtype)
+    return tiny_mlp((16, 48, 48, 6), dtype=dtype)
 
 
 def _data(n: int) -> list:

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge
+from _tiny import tiny_mlp
 
 TOLERANCE = dict(rtol=1e-6, atol=1e-7)
 LR = (1e-2, 3e-3)  # a different lr per optimizer, so that mixing them up shows
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    return tiny_mlp((16, 32, 8))
 
 
 def _data(n: int) -> list:

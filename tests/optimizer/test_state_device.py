@@ -19,14 +19,14 @@ from adambridge import AdamBridge
 lightning = pytest.importorskip("lightning", reason="needs lightning (test extra)")
 from lightning.fabric.utilities.optimizer import _optimizer_to_device  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+from _tiny import tiny_mlp
 
 META = torch.device("meta")
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
-    torch.manual_seed(5)  # 300 outputs: fp8's blocks of 128 with a short last one
-    return torch.nn.Sequential(torch.nn.Linear(9, 300), torch.nn.ReLU(),
-                               torch.nn.Linear(300, 3)).to(dtype)
+    # 300 outputs: fp8's blocks of 128 with a short last one
+    return tiny_mlp((9, 300, 3), between="relu", dtype=dtype, seed=5)
 
 
 def _train(model, opt, steps: int, seed: int) -> None:

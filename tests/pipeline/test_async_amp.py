@@ -7,14 +7,13 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge
+from _tiny import tiny_mlp
 
 RTOL, ATOL = 1e-6, 1e-7
 
 
 def _model(dtype=torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
-                         nn.Linear(64, 8)).to(dtype)
+    return tiny_mlp((32, 64, 64, 8), dtype=dtype)
 
 
 def _data(n: int) -> list:

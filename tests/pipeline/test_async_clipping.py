@@ -12,14 +12,13 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge
+from _tiny import tiny_mlp
 
 RTOL, ATOL = 1e-6, 1e-7  # docs/numerics.md
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(),
-                         nn.Linear(48, 6))
+    return tiny_mlp((16, 48, 48, 6))
 
 
 def _data(n: int) -> list:

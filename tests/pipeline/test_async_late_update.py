@@ -17,14 +17,14 @@ from torch import nn
 
 from adambridge import AdamBridge
 from adambridge.pipeline import late_work, worker
+from _tiny import tiny_mlp
 
 TIMEOUT_S = 0.5
 ALL = r"\[0, 1, 2, 3\]"
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    return tiny_mlp((16, 32, 4), between="tanh")
 
 
 def _optimizer(model: nn.Module) -> AdamBridge:

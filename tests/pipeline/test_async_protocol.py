@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge, StepStats
+from _tiny import tiny_mlp
 
 
 def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))
+    return tiny_mlp((12, 32, 32, 4), between="tanh", seed=seed)
 
 
 def _data(n: int, seed: int = 1) -> list:

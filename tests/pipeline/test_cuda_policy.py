@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from adambridge import AdamBridge
-from adambridge.pipeline import cuda_policy, hooks as pipeline
+from adambridge.pipeline import cuda_policy
 from adambridge.host import topology
 from adambridge.host.topology import NumaNode
 from adambridge.pipeline.transport import CudaTransport
 from fake_cuda import FakeCuda
 from _attach import attach_with
+from _tiny import tiny_mlp
 
 
 @pytest.fixture
@@ -22,8 +23,7 @@ def cuda(monkeypatch):
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    return tiny_mlp((64, 64, 8), between="layernorm")
 
 
 def _attached(model, **opt_args):

@@ -39,6 +39,13 @@ enum ab_status {
 
 #define AB_FP8_BLOCK 128
 
+/* Python and C name three fields differently (adambridge/update/items.py has the Python side):
+ *   UpdateItem.master  is  ab_tensor.param
+ *   Hyper.step_hat     is  ab_hyper.step_size
+ *   Hyper.eps_hat      is  ab_hyper.eps
+ * (Hyper.step_size and Hyper.eps are torch's lr / bc1 and eps, which C does not take.)
+ * Every other field has the same name on both sides. */
+
 /* Per-tensor scalars, already rounded to fp32 as docs/numerics.md section 1 says. */
 typedef struct ab_hyper {
     float beta1;

@@ -1,8 +1,9 @@
 """What one update is made of: Hyper (a step's scalars, rounded to fp32) and UpdateItem (one
 contiguous range of one parameter's host state, with the tensors the kernel reads and writes).
 
-Python's names and C's differ in two places, tabled in csrc/adambridge.h: ``UpdateItem.master``
-is ``ab_tensor.param`` and ``Hyper.step_hat`` is ``ab_hparams.step_size``.
+Python's names and C's differ in three places, tabled in csrc/adambridge.h: ``UpdateItem.master``
+is ``ab_tensor.param``, ``Hyper.step_hat`` is ``ab_hyper.step_size`` and ``Hyper.eps_hat`` is
+``ab_hyper.eps``.
 """
 from __future__ import annotations
 

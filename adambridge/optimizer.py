@@ -477,15 +477,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             return p.detach().view(-1)
         if p.dtype == torch.float32:
             return None  # the master itself is the fp32 copy
-        buffer = self._writeback.get(p)
-        if buffer is None:
-            buffer = self._writeback[p] = host_state.host_empty(p.numel(), p.dtype)
-        return buffer
+        return self.writeback_buffer(p, p.numel(), p.dtype)
 
     def _write_back(self, p: torch.Tensor, state: dict) -> None:
         if p.is_cpu and p.is_contiguous():
             return  # the kernel wrote into p directly
-        source = state["master"] if p.dtype == torch.float32 else self._writeback[p]
+        source = state["master"] if p.dtype == torch.float32 else self.kept_writeback(p)
         p.detach().copy_(source.view(p.shape))
 
     # --- asynchronous mode (pipeline/hooks.py)

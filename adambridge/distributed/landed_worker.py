@@ -107,6 +107,9 @@ class LandedWorker(ABC):
         self._wait()
         taken = frozenset(self._done), list(self._errors), self._held
         self._seen, self._done, self._errors = set(), set(), []
+        # what this step's updates read: the next step's first hook reads it again, even
+        # when this step raises before _check_hyper_writes
+        self._hyper_at_end, self._hyper_read = self._hyper_read, None
         return taken
 
     def _check_hyper_writes(self, updated: int) -> None:
@@ -119,25 +122,18 @@ class LandedWorker(ABC):
         with the old values (a first write after held steps), that step is off by their
         difference, and the warning says so.
         """
-        read, self._hyper_read = self._hyper_read, None
+        read = self._hyper_at_end
         if read is None or self._holds_always or step_wide.same_inputs(
                 read, step_wide.hyper_inputs(self.opt.param_groups)):
             return
         self._holds_always = True
-        if updated:
-            _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was "
-                         "written between backward and step() with attach_hooks() on %s: "
-                         "%d parameters of this step had been updated with the values read "
-                         "during backward. From now on every step is held until step() (no "
-                         "overlap with backward) and uses the values step() sees, as torch "
-                         "does; write them before the backward to keep the overlap",
-                         self._label, updated)
-        else:
-            _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was "
-                         "written between backward and step() with attach_hooks() on %s; "
-                         "from now on every step is held until step() (no overlap with "
-                         "backward), so each uses the values step() sees, as torch does: "
-                         "write them before the backward to keep the overlap", self._label)
+        made = (f": {updated} parameters of this step had been updated with the values read "
+                f"during backward" if updated else "")
+        _log.warning("adambridge: a param group's lr, betas, eps or weight_decay was written "
+                     "between backward and step() with attach_hooks() on %s%s; from now on "
+                     "every step is held until step() (no overlap with backward) and uses the "
+                     "values step() sees, as torch does; write them before the backward to "
+                     "keep the overlap", self._label, made)
 
     def _release_grads(self) -> None:
         """After a finished step: every gradient it applied leaves p.grad (release_grads)."""

@@ -251,6 +251,7 @@ class Pipeline(FactsMixin):
                 self._refresh_groups()
                 held = (not self._warm or self.uses_grad_scaler or self.clips_by_value
                         or self.hyper_written_late)
+                interception.wrap_late_imports()
                 record = StepRecord(held=held, clip_watch=self._clip_watch(),
                                     keep_state=self.rolls_back or self.watches_hyper,
                                     hyper_inputs=step_wide.hyper_inputs(self.opt.param_groups))

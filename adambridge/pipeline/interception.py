@@ -232,6 +232,15 @@ def register(pipeline: Any) -> None:
         _generation[0] += 1
 
 
+def wrap_late_imports() -> None:
+    """At each step's first gradient: accelerate imported after attach_hooks is wrapped too,
+    before that step's clip (one dict lookup when there is nothing to do)."""
+    if "accelerate" not in _originals and "accelerate.accelerator" in sys.modules:
+        with _lock:
+            if _pipelines:
+                _install_accelerate()
+
+
 def unregister(pipeline: Any) -> None:
     with _lock:
         _pipelines.discard(pipeline)

@@ -183,3 +183,24 @@ def test_readme_accelerate_example_runs():
     assert opt.pipeline is not None and not opt.last_step_stats.skipped
     assert {int(s["step"]) for s in opt.state.values()} == {2}  # 7 batches, 4 per window
     opt.detach_hooks()
+
+
+def test_accelerate_imported_after_attach_hooks_is_routed_before_the_first_clip(monkeypatch):
+    # The wrapper goes in at attach_hooks when accelerate is already imported; imported
+    # later, it goes in at the next step's first gradient, before that step's clip.
+    from adambridge.pipeline import interception
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = AdamBridge(model.parameters(), lr=1e-2, small_param_threshold=0)
+    original = vars(accelerate.Accelerator)["_clip_grad_norm_dtensor_aware"]
+    monkeypatch.setattr(interception, "_install_accelerate", lambda: None)
+    opt.attach_hooks(model)  # as if accelerate were not imported yet: nothing wrapped
+    monkeypatch.undo()
+    try:
+        assert vars(accelerate.Accelerator)["_clip_grad_norm_dtensor_aware"] is original
+        model(torch.randn(4, 8)).square().mean().backward()
+        assert vars(accelerate.Accelerator)["_clip_grad_norm_dtensor_aware"] is \
+            interception._accelerate_clip
+    finally:
+        opt.detach_hooks()
+    assert vars(accelerate.Accelerator)["_clip_grad_norm_dtensor_aware"] is original

@@ -489,7 +489,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
     def attach_hooks(self, model: Optional[torch.nn.Module] = None, *,
                      accumulation_steps: int = 1,
-                     closes_window: Optional[Callable[[], bool]] = None) -> None:
+                     closes_window: Optional[Callable[[], bool]] = None,
+                     edits_grads: bool = False) -> None:
         """Update each parameter as soon as backward has produced its gradient.
 
         Hooks go on ``model``'s parameters that this optimizer owns (all of them when
@@ -501,7 +502,13 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         True (frameworks that know it, e.g. accelerate's ``sync_gradients``), and never
         inside ``with opt.accumulate():``. Clipping (``max_grad_norm``, or torch's
         ``clip_grad_norm_`` on these parameters) and GradScaler work as in ``step()``.
+
+        Between backward and ``step()`` the loop may read, edit, replace or zero any
+        gradient: ``p.grad`` is a view of the step's gradient (docs/async.md). A loop whose
+        first change to a gradient comes after its first step passes ``edits_grads=True``
+        (a copy of each update's state is kept, so any change is redone exactly).
         """
+        edits_grads = check.boolean("edits_grads", edits_grads)
         from .distributed import ddp as ddp_async
         from .pipeline import hooks as pipeline
         if self._pipeline is not None:
@@ -528,7 +535,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         late = ddp is None and ddp_async.world_size() > 1
         self._pipeline = pipeline.new(self, model, accumulation_steps=accumulation_steps,
                                       closes_window=closes_window,
-                                      hook_grads=ddp is None and not late)
+                                      hook_grads=ddp is None and not late,
+                                      edits_grads=edits_grads)
         pipeline.start(self._pipeline)
         if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
             ddp_async.hand_over_reduced(ddp, self._pipeline)
@@ -548,6 +556,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if check is not None:
             check()
         super().zero_grad(set_to_none)
+        if not set_to_none and hasattr(self._pipeline, "zero_grads_kept"):
+            # the gradients the last step consumed are zeros again, as torch's would be
+            self._pipeline.zero_grads_kept()
 
     def step_sync(self) -> StepStats:
         """``step()`` with hooks attached, returning the step's StepStats.

@@ -168,9 +168,6 @@ class LandedWorker(ABC):
         self._refuse_fact("clip_grad_norm_")
         return []
 
-    def clip_value(self, *args: Any) -> None:
-        self._refuse_fact("clip_grad_value_")
-
     def unscale_grads(self, *args: Any) -> dict:
         self._refuse_fact("GradScaler")
         return {}

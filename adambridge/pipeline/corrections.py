@@ -29,6 +29,7 @@ class FactsMixin:
         record = self._current_record()
         self.send_rest(record)
         self.drain(record)
+        self._take_reassigned(record)  # p.grad assigned since its hook (pipeline/grad_edits.py)
         return record
 
     def _jobs_of(self, record: StepRecord, params: list) -> tuple[list, list]:
@@ -43,9 +44,11 @@ class FactsMixin:
                 others.append(p.grad)
         return jobs, others
 
-    @staticmethod
-    def _transform(jobs: list, fn: Callable[[torch.Tensor], None]) -> None:
-        """Apply fn to host gradients in place, keeping what a speculative update used."""
+    def _transform(self, record: StepRecord, jobs: list, fn: Callable[[torch.Tensor], None],
+                   what: str) -> None:
+        """Apply fn to host gradients in place, keeping what a speculative update used; an
+        update made without a copy to redo it from is refused first (nothing changes)."""
+        self._check_writable(record, jobs, what)
         for job in jobs:
             if job.speculative and job.grad_before is None:
                 job.grad_before = job.grad.clone()
@@ -62,22 +65,20 @@ class FactsMixin:
         total = self._total_norm(jobs, others, norm_type)
         if error_if_nonfinite:
             step_wide.check_finite_norm(total, norm_type)
-        self._clip(jobs, others, total, max_norm)
+        self._clip(record, jobs, others, total, max_norm)
         record.grad_norm = float(total)
         device = params[0].device if params else torch.device("cpu")
         return total.to(device)
 
-    def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor, *,
-                       report_norm: bool = False) -> None:
-        """Clip with a given total norm; ``report_norm``: it is this step's grad_norm (a
-        clip_grad_norm_ over several optimizers, pipeline/interception.py)."""
+    def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor) -> None:
+        """Clip with a given total norm (torch's clip_grads_with_norm_; the loop took the
+        norm itself, as torchtitan's does): it is this step's grad_norm."""
         record = self._settled()
         if math.isfinite(max_norm):
             self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
-        self._clip(jobs, others, total.detach().to("cpu"), max_norm)
-        if report_norm:
-            record.grad_norm = float(total)
+        self._clip(record, jobs, others, total.detach().to("cpu"), max_norm)
+        record.grad_norm = float(total)
 
     def settled_grads(self, params: list) -> list:
         """The gradient each of ``params`` has in this step: the host copy for ours, p.grad
@@ -85,14 +86,6 @@ class FactsMixin:
         record = self._settled()
         return [record.jobs[p].grad if p in record.jobs
                 else None if p in self.group_of else p.grad for p in params]
-
-    def clip_value(self, params: list, clip_value: float) -> None:
-        record = self._settled()
-        self.clips_by_value = True  # no norm predicts it: hold later steps for exactness
-        jobs, others = self._jobs_of(record, params)
-        for grad in others:
-            grad.clamp_(min=-clip_value, max=clip_value)
-        self._transform(jobs, lambda g: g.clamp_(min=-clip_value, max=clip_value))
 
     def unscale_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                       allow_fp16: bool) -> dict:
@@ -103,9 +96,12 @@ class FactsMixin:
         if not allow_fp16 and any(job.grad.dtype == torch.float16 for job in jobs):
             raise ValueError("Attempting to unscale FP16 gradients.")
         found = torch.zeros((), dtype=torch.float32)
-        self._transform(jobs, lambda g: step_wide.unscale_([g], found, inv_scale.to("cpu")))
         if record.failed:
             found.fill_(1.0)  # the scaler must skip and back off: finish raises the error
+        else:
+            self._transform(record, jobs,
+                            lambda g: step_wide.unscale_([g], found, inv_scale.to("cpu")),
+                            "GradScaler.unscale_")
         device = next(iter(self.lanes))
         return {device: found.to(device)}
 
@@ -136,10 +132,11 @@ class FactsMixin:
             return
         if grad_scale is not None:
             inv, unused = step_wide.amp_inv_scale(grad_scale), torch.zeros((), dtype=torch.float32)
-            self._transform(jobs, lambda g: step_wide.unscale_([g], unused, inv))
+            self._transform(record, jobs, lambda g: step_wide.unscale_([g], unused, inv),
+                            "GradScaler's unscale")
         if opt.max_grad_norm is not None:
             total = self._total_norm(jobs, [], 2.0)
-            self._clip(jobs, [], total, opt.max_grad_norm)
+            self._clip(record, jobs, [], total, opt.max_grad_norm)
             record.grad_norm = float(total)
 
     def correct_on_lane(self, lane, record: StepRecord) -> None:
@@ -187,12 +184,9 @@ class FactsMixin:
                 job.grad_before[start:end]
             if saved is not None:
                 step_wide.redo(item, saved, self.lanes[job.p.device].backend)
-            elif used is not item.hyper and used != item.hyper:
+            else:  # (a changed gradient always has a copy: _check_writable refused it else)
                 step_wide.rebase(item, used, before)
                 rebased = True
-            else:
-                self._warn_approximate(item.precision)
-                step_wide.correct(item, before)
             job.transport.to_device(job.p, start, end)
         return rebased
 
@@ -227,14 +221,6 @@ class FactsMixin:
 
     # -- helpers
 
-    def _warn_approximate(self, precision: str) -> None:
-        if not self.warned_approximate:
-            self.warned_approximate = True
-            _log.warning("adambridge: clipping first fired after speculative updates with %s "
-                         "moments; those updates were corrected approximately. Clip from the "
-                         "first step (or pass max_grad_norm=) so the moments are kept and "
-                         "every correction is exact", precision)
-
     def _note_grad_scaler(self, record: StepRecord) -> None:
         self.uses_grad_scaler = True  # from now on every step is held until the scaler decides
         if not record.held and any(job.speculative for job in record.jobs.values()):
@@ -249,12 +235,13 @@ class FactsMixin:
         norms += [step_wide.vector_norm(grad, norm_type) for grad in others]
         return step_wide.total_norm(norms, norm_type)
 
-    def _clip(self, jobs: list, others: list, total: torch.Tensor, max_norm: float) -> None:
+    def _clip(self, record: StepRecord, jobs: list, others: list, total: torch.Tensor,
+              max_norm: float) -> None:
         coef = step_wide.clip_coef(total, max_norm)
         for grad in others:
             grad.mul_(coef.to(grad.device))
         if float(coef) < 1.0:  # at 1.0 torch's multiply is the identity: nothing changes
-            self._transform(jobs, step_wide.scale_by(coef))
+            self._transform(record, jobs, step_wide.scale_by(coef), "clipping")
 
 
 def _all_are(hypers: list, final: Hyper) -> bool:

@@ -55,6 +55,8 @@ from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
 from .worker import _STOP, Lane, chunk_ranges, worker_cpus
 from .corrections import FactsMixin
+from .grad_edits import GradEditsMixin, grads_for_host, second_gradient_error
+from .grad_views import plain
 
 if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
     from ..door import OptimizerDoor
@@ -62,14 +64,14 @@ if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
 _log = logging.getLogger("adambridge")
 
 
-class Pipeline(FactsMixin):
+class Pipeline(FactsMixin, GradEditsMixin):
     """The hooks of one optimizer and one Lane per device; ``opt.pipeline`` while attached."""
 
     def __init__(self, opt: OptimizerDoor, model: Optional[torch.nn.Module], *,
                  make_transport: Callable[[torch.device], Any] = make_transport,
                  accumulation_steps: int = 1,
                  closes_window: Optional[Callable[[], bool]] = None,
-                 hook_grads: bool = True) -> None:
+                 hook_grads: bool = True, edits_grads: bool = False) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self.owned = [p for group in opt.param_groups for p in group["params"]]
         in_model = self.owned if model is None else _model_params(model, self.owned)
@@ -112,8 +114,7 @@ class Pipeline(FactsMixin):
         self._jobs: dict[int, Job] = {}
         self._pieces: dict[int, tuple] = {}
         self.uses_grad_scaler = False
-        self.clips_by_value = False
-        self.warned_approximate = False
+        self._init_grad_edits(edits_grads)
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.rolls_back = False  # a backward has raised: keep what rolls its updates back
         # A hyperparameter was written after a step's first gradient: since then every step
@@ -125,8 +126,13 @@ class Pipeline(FactsMixin):
         self.tuner = None
         # hook_grads=False: someone else calls on_grad (distributed/ddp.py's DDP comm hook).
         self._hooks_grads = hook_grads
-        handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self)))
-                   for p in self.hooked] if hook_grads else []
+        # NOTE: each gradient first lands in ``arrived`` (set.add, a C call: no Python frame
+        # for a KeyboardInterrupt to land in before it), and on_grad takes it out only once
+        # it has handled it: a hook that raised or was interrupted anywhere leaves it there.
+        self.arrived: set = set()
+        handles = [h for p in self.hooked for h in (
+            p.register_post_accumulate_grad_hook(self.arrived.add),
+            p.register_post_accumulate_grad_hook(_hook(weakref.ref(self))))] if hook_grads else []
         # Weak references to the lanes, not their queues: a revived lane has a new queue, and
         # a strong one would keep held pieces (and through them this pipeline) alive.
         self._finalizer = weakref.finalize(self, _shut_down, handles,
@@ -167,22 +173,22 @@ class Pipeline(FactsMixin):
         if reduced is None and p.grad is None:
             # requires_grad was turned off after the forward (Lightning's toggle_optimizer
             # for another optimizer): autograd accumulates nothing but still calls the hook.
+            self.arrived.discard(p)
             return
         if not self._window_closes():
+            self.arrived.discard(p)
             return  # the gradient stays on the device and accumulates
         # (read without the lock when set: finish replaces it only after the last hook)
         record = self._record or self._current_record()
         opt = self.opt  # (a weak reference: called once per gradient, not once per use)
         if p in record.jobs:
-            raise RuntimeError(f"parameter {opt.index(p)} received a second gradient "
-                               f"before the optimizer step; wrap the earlier backward passes "
-                               f"of the step in `with opt.accumulate():`, or pass "
-                               f"accumulation_steps=N to attach_hooks; within one backward, "
-                               f"a parameter used in more than one "
-                               f"torch.utils.checkpoint(use_reentrant=True) region gets a "
-                               f"gradient from each: pass use_reentrant=False")
-        if record.failed:
-            return
+            raise second_gradient_error(opt.index(p))
+        if not record.failed:
+            self._take(opt, p, record, reduced)
+        self.arrived.discard(p)  # last: an interrupt before it leaves p marked unfinished
+
+    def _take(self, opt: OptimizerDoor, p: torch.Tensor, record: StepRecord,
+              reduced: Optional[torch.Tensor]) -> None:
         try:
             opt.check_gradient(p)
             self._check_release_unchanged(opt)
@@ -230,11 +236,13 @@ class Pipeline(FactsMixin):
                                f"use_reentrant=False, or closes_window=, or run the earlier "
                                f"passes of the step in `with opt.accumulate():`")
 
-    def _backward_interrupted(self) -> None:
-        # A pass whose end callback never ran raised inside backward.
+    def _backward_interrupted(self, record: StepRecord) -> None:
+        # A pass whose end callback never ran, or a hook that never finished, raised inside
+        # backward (even before it made the step's record: it fails the record made now).
         self._open_tasks.clear()
-        if self._record is not None and not self._record.failed:
-            self._record.fail(RuntimeError(
+        self.arrived.clear()
+        if not record.failed:
+            record.fail(RuntimeError(
                 "a backward pass of this step did not finish (an exception or "
                 "KeyboardInterrupt inside backward), so its gradients are incomplete"))
 
@@ -249,11 +257,11 @@ class Pipeline(FactsMixin):
         with self._record_lock:
             if self._record is None:
                 self._refresh_groups()
-                held = (not self._warm or self.uses_grad_scaler or self.clips_by_value
-                        or self.hyper_written_late)
-                interception.wrap_late_imports()
+                held = (not self._warm or self.uses_grad_scaler or self.hyper_written_late
+                        or self.edits_changed)
                 record = StepRecord(held=held, clip_watch=self._clip_watch(),
-                                    keep_state=self.rolls_back or self.watches_hyper,
+                                    keep_state=(self.rolls_back or self.watches_hyper
+                                                or self.edits_grads),
                                     hyper_inputs=step_wide.hyper_inputs(self.opt.param_groups))
                 if self._late is not None:  # nothing may start: finish refuses the step
                     record.fail(RuntimeError("the update that timed out has not been "
@@ -335,11 +343,12 @@ class Pipeline(FactsMixin):
         _, lane, index, group, ranges, pieces = self._pieces_of(opt, p)
         transport = lane.transport
         new = opt.needs_values(p)  # a first update, or p written by someone else
-        grad = p.grad if reduced is None else reduced
+        grad = plain(p.grad) if reduced is None else reduced  # (a zero view written into)
         host_grad, tickets = transport.grad_to_host(p, grad, ranges, new)
-        if reduced is None and opt.release_grads:
-            transport.release(grad)
-            p.grad = None
+        if reduced is None:
+            if opt.release_grads:
+                transport.release(grad)
+            self.put_view(p, grad, host_grad, _unlanded(tickets))
         job = pieces[0].job
         job.begin(opt, index, group, opt.state.get(p) or None, 0, host_grad, transport.out(p),
                   transport.source(p) if new else None, len(pieces), transport)
@@ -348,10 +357,6 @@ class Pipeline(FactsMixin):
             piece.ticket, piece.record, piece.writeback.left = ticket, record, 1
             lane.submit(piece)
 
-    def _release(self, opt: OptimizerDoor, p: torch.Tensor, grad: torch.Tensor, lane: Lane) -> None:
-        if opt.release_grads:
-            lane.transport.release(grad)
-            p.grad = None
 
     # -- what has no hook: one buffer per dtype each way
 
@@ -390,13 +395,16 @@ class Pipeline(FactsMixin):
         if not params or record.failed:
             return
         new = [p for p in params if opt.needs_values(p)]
-        grads, ticket = lane.transport.group_to_host(params, bool(new))
+        device_grads = grads_for_host(params)
+        grads, ticket = lane.transport.group_to_host(params, device_grads, bool(new))
         outs = lane.transport.group_out(params)
         writeback = WriteBack(functools.partial(lane.transport.group_to_device, params),
                               len(params))
         new_ids = {id(p) for p in new}
-        for p, grad, out in zip(params, grads, outs):
-            self._release(opt, p, p.grad, lane)
+        for p, device_grad, grad, out in zip(params, device_grads, grads, outs):
+            if opt.release_grads:
+                lane.transport.release(device_grad)
+            self.put_view(p, device_grad, grad, _unlanded([ticket]))
             job = self._start_job(opt, record, p, opt.index(p), self.group_of[p], grad, out, 1,
                                   id(p) in new_ids, lane.transport)
             lane.submit(Piece(job, 0, p.numel(), ticket, writeback, record))
@@ -429,8 +437,8 @@ class Pipeline(FactsMixin):
             record.fail(RuntimeError(f"the adambridge worker thread for "
                                      f"{revived[0].transport.device} had died; a new one runs "
                                      f"from the next step"))
-        if self._open_tasks:
-            self._backward_interrupted()
+        if self._open_tasks or self.arrived:
+            self._backward_interrupted(record)
         # Without a step-wide fact to come, what lands now is final: keep updating it.
         pending = self.facts_pending()
         if not pending:
@@ -440,6 +448,7 @@ class Pipeline(FactsMixin):
             record.keep_state = False
         self.send_rest(record, hold=pending)
         self.drain(record)
+        self._take_assigned(record)
         if not record.failed:
             try:
                 self.apply_step_facts(record)
@@ -456,6 +465,7 @@ class Pipeline(FactsMixin):
         with self._record_lock:
             self._record = None
         self._micro = 0
+        self.end_views(record)
         self._remember_used(record)
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
@@ -612,6 +622,7 @@ class Pipeline(FactsMixin):
             self._late.attached = False  # its guard now answers the optimizer's step()
         for lane in self.lanes.values():
             lane.drop_gathered()
+        self.restore_plain_grads()
         self._finalizer()
         interception.unregister(self)
         for lane in self.lanes.values():
@@ -620,6 +631,11 @@ class Pipeline(FactsMixin):
         if record is not None and record.updated:
             _log.warning("adambridge: detach_hooks() dropped an unfinished step that had "
                          "already updated parameters %s", sorted(record.updated))
+
+
+def _unlanded(tickets: list) -> tuple:
+    """The tickets a view of this gradient must wait for (none on the host: all landed)."""
+    return () if all(t.ready() for t in tickets) else tuple(tickets)
 
 
 def _model_params(model: torch.nn.Module, owned: list) -> list:

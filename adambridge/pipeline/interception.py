@@ -1,32 +1,25 @@
 """Routes torch's gradient clipping and GradScaler's unscale to attached pipelines.
 
-In asynchronous mode a gradient leaves ``p.grad`` (``release_grads=True``) as soon as its
-copy lands, so ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler.unscale_`` would find
-nothing and silently clip or unscale nothing. Every framework reaches them through the
-same few torch entry points (HF Trainer and accelerate through ``accelerator.clip_grad_norm_``,
-Lightning through ``precision.clip_gradients``, all of them through ``GradScaler``), so while
-at least one pipeline is attached those entry points are wrapped:
+In asynchronous mode ``p.grad`` of a gradient a hook has taken is a GradView
+(pipeline/grad_views.py): any function may read or change it and gets sync mode's result,
+so nothing here is needed for correctness. What is routed is what has a cheaper exact form
+on the host copies the pipeline already holds, and tells the pipeline a step-wide fact
+before it has to redo anything:
 
-- ``clip_grad_norm_`` / ``clip_grads_with_norm_`` / ``clip_grad_value_`` over parameters
-  that an attached pipeline hooks are answered by that pipeline (exact clipping of the
-  host gradients, see pipeline/step_wide.py); every other call goes to torch unchanged. torch's own
-  ``clip_grad_norm_``, bound by name before the wrappers went in, still calls clip_grad.py's
-  ``_clip_grads_with_norm_`` helper, which is wrapped too, and is answered from there.
+- ``clip_grad_norm_`` / ``clip_grads_with_norm_`` over parameters an attached pipeline owns
+  are answered by that pipeline (the norm of the host gradients with torch's own formulas,
+  the clip applied to them, the max_norm remembered so that later steps keep what a redo
+  needs and stop updating early once the norm passes it: pipeline/step_wide.py); every other
+  call goes to torch unchanged. torch's own ``clip_grad_norm_``, bound by name before the
+  wrappers went in, takes its norm from the views and calls clip_grad.py's
+  ``_clip_grads_with_norm_``, which is wrapped too.
 - ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
-  pipeline (unscale and inf check of the host gradients).
-- accelerate (from 1.16) no longer calls ``clip_grad_norm_``: its
-  ``Accelerator._clip_grad_norm_dtensor_aware`` keeps the parameters whose ``p.grad`` is set,
-  takes ``get_total_norm`` of those and clips them with ``clip_grads_with_norm_``, so the
-  released gradients would be left out of the norm and of the clip. Where accelerate is
-  imported, that method is wrapped too, and parameters a pipeline owns are answered as
-  ``clip_grad_norm_`` is.
+  pipeline (unscale and inf check of the host gradients; the step is held until it decides).
 
 The wrappers are installed by the first attach and removed by the last detach.
 """
 from __future__ import annotations
 
-import inspect
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -96,7 +89,7 @@ def _clip_norm(params: list, max_norm: float, norm_type: float,
     if error_if_nonfinite:
         step_wide.check_finite_norm(total, norm_type)
     for pl, share in zip(owners, shares):
-        pl.clip_with_norm(share, max_norm, total, report_norm=True)
+        pl.clip_with_norm(share, max_norm, total)
     return total.to(params[0].device)
 
 
@@ -116,33 +109,8 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Te
     owners = _owners(params)
     if not owners:
         return _originals["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
-    caller = sys._getframe(1)
-    if caller.f_code is _torch_clip_grad_norm_code():
-        # torch's own clip_grad_norm_, bound before attach_hooks (`from torch.nn.utils import
-        # clip_grad_norm_`): its total_norm left out the released gradients. Answer as the
-        # routed function does, and give torch's caller that norm in the tensor it returns.
-        args = caller.f_locals
-        norm = _clip_norm(params, float(max_norm), float(args["norm_type"]),
-                          bool(args["error_if_nonfinite"]))
-        total_norm.copy_(norm)
-        return None
     for pl, share in zip(owners, _split(owners, params)):
         pl.clip_with_norm(share, float(max_norm), total_norm)
-    return None
-
-
-def _torch_clip_grad_norm_code() -> Any:
-    """The code object of torch's own clip_grad_norm_ (under its no-grad decorator)."""
-    return inspect.unwrap(_originals["clip_grad_norm_"]).__code__
-
-
-def clip_grad_value_(parameters: Any, clip_value: float, foreach: Optional[bool] = None) -> None:
-    params = _params(parameters)
-    owners = _owners(params)
-    if not owners:
-        return _originals["clip_grad_value_"](params, clip_value, foreach)
-    for pl, share in zip(owners, _split(owners, params)):  # element-wise: shares are exact
-        pl.clip_value(share, float(clip_value))
     return None
 
 
@@ -154,37 +122,9 @@ def _unscale_grads_(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
     return pipeline.unscale_grads(inv_scale, found_inf, allow_fp16)
 
 
-def _accelerate_clip(accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2,
-                     foreach: Optional[bool] = None) -> torch.Tensor:
-    params = _params(parameters)
-    if not _owners(params):
-        return _originals["accelerate"](accelerator, params, max_norm, norm_type=norm_type,
-                                        foreach=foreach)
-    return clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
-
-
-_ACCELERATE_CLIP = "_clip_grad_norm_dtensor_aware"  # the method accelerate's clip_grad_norm_ ends in
-
-
-def _accelerator_class() -> Any:
-    """accelerate's Accelerator where accelerate is imported and filters on p.grad, else None
-    (not imported here: a framework that uses it has imported it before attach_hooks)."""
-    module = sys.modules.get("accelerate.accelerator")
-    cls = getattr(module, "Accelerator", None)
-    return cls if cls is not None and _ACCELERATE_CLIP in vars(cls) else None
-
-
-def _install_accelerate() -> None:
-    cls = _accelerator_class()
-    if cls is not None and "accelerate" not in _originals:
-        _originals["accelerate"] = vars(cls)[_ACCELERATE_CLIP]
-        setattr(cls, _ACCELERATE_CLIP, _accelerate_clip)
-
-
 _WRAPPERS = {
     "clip_grad_norm_": clip_grad_norm_,
     "clip_grads_with_norm_": clip_grads_with_norm_,
-    "clip_grad_value_": clip_grad_value_,
 }
 
 
@@ -203,7 +143,6 @@ def _install() -> None:
     from torch.amp.grad_scaler import GradScaler
     _originals["_unscale_grads_"] = GradScaler._unscale_grads_
     GradScaler._unscale_grads_ = _unscale_grads_
-    _install_accelerate()
 
 
 def _uninstall() -> None:
@@ -217,9 +156,6 @@ def _uninstall() -> None:
     from torch.amp.grad_scaler import GradScaler
     if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
         GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
-    cls = _accelerator_class()
-    if cls is not None and vars(cls)[_ACCELERATE_CLIP] is _accelerate_clip:
-        setattr(cls, _ACCELERATE_CLIP, _originals["accelerate"])
     _originals.clear()
 
 
@@ -227,18 +163,8 @@ def register(pipeline: Any) -> None:
     with _lock:
         if not _originals:
             _install()
-        _install_accelerate()  # accelerate may have been imported after the first attach
         _pipelines.add(pipeline)
         _generation[0] += 1
-
-
-def wrap_late_imports() -> None:
-    """At each step's first gradient: accelerate imported after attach_hooks is wrapped too,
-    before that step's clip (one dict lookup when there is nothing to do)."""
-    if "accelerate" not in _originals and "accelerate.accelerator" in sys.modules:
-        with _lock:
-            if _pipelines:
-                _install_accelerate()
 
 
 def unregister(pipeline: Any) -> None:

@@ -8,11 +8,11 @@ the update (docs/architecture.md):
 - every host gradient is kept until the step finishes, so the fact can be computed from it
   with torch's own formulas (``total_norm``, ``clip_coef``, ``unscale_``);
 - a step that turns out to need a different gradient for a parameter already updated (clipping
-  fired) is *redone*: while clipping is expected the master and moments of each speculative
-  update are kept (``snapshot``), and ``redo`` restores them and updates again with the
-  final gradient, so the result is sync ``clip_grad_norm_`` + ``step()`` bit for bit.
-  Without a snapshot (clipping first used mid-training) the update is moved algebraically
-  (``correct``), an approximation the pipeline warns of;
+  fired, or the loop changed a gradient: pipeline/grad_edits.py) is *redone*: while that may
+  happen the master and moments of each speculative update are kept (``snapshot``), and
+  ``redo`` restores them and updates again with the final gradient, so the result is sync
+  ``clip_grad_norm_`` + ``step()`` bit for bit. Without a snapshot (a first change
+  mid-training) the change is refused before it is made;
 - GradScaler steps, and steps where the norm so far already passes the limit, are *held*:
   their updates wait for the fact and are then exact;
 - the step's hyperparameters are a fact of the same kind: torch's step() reads the group
@@ -86,32 +86,6 @@ def amp_inv_scale(grad_scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- correction
-
-
-def correct(item: UpdateItem, grad_before: torch.Tensor) -> None:
-    """Turn the update ``grad_before`` made on ``item``'s range into the one ``item.grad`` makes.
-
-    The state holds m_s = b1*m + (1-b1)*g and v_s = b2*v + (1-b2)*g*g, and the master
-    p_s = p*decay - step_hat*m_s/d_s. With g' the gradient that should have been used:
-    m' = m_s + (1-b1)*(g'-g), v' = max(v_s + (1-b2)*(g'*g' - g*g), (1-b2)*g'*g'), and
-    p' = p_s + step_hat*(m_s/d_s - m'/d'), with d = sqrt(v) + eps_hat as in the kernel. Moments are re-encoded in their precision
-    (with the step's stochastic-rounding bits), the low-precision copy is rewritten.
-    """
-    h = item.hyper
-    g_old, g_new = grad_before.float(), item.grad.float()
-    m_s, v_s = reference._load_moments(item)
-    m = m_s + (g_new - g_old) * h.one_minus_beta1
-    # v' = b2*v + (1-b2)*g'*g' >= (1-b2)*g'*g': the bound keeps the rounding of a coarse
-    # v_s (bf16, fp8) from leaving v' near 0, where m'/d' would explode.
-    floor = (g_new * g_new) * h.one_minus_beta2
-    v = torch.maximum(v_s + (g_new * g_new - g_old * g_old) * h.one_minus_beta2, floor)
-    d_s = sqrt_f32(v_s) + h.eps_hat          # the kernel's d (docs/numerics.md)
-    s = sqrt_f32(v)
-    d = s + h.eps_hat
-    master = codecs.canonical_nan(item.master + h.step_hat * (m_s / d_s - m / d))
-    item.master.copy_(master)
-    reference._store_moments(item, m, v, s)
-    _write_copy(item, master)
 
 
 def rebase(item: UpdateItem, used: Hyper, grad_used: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ scheduling in pipeline/hooks.py drives either through the same methods and never
   out(p) / group_out(params)                   where the kernel writes the rounded weights
   to_device(p, start, end)                     worker thread: start copying a range back
   group_to_host / group_to_device              the small parameters, one buffer each way
+                                               (their gradients given: p.grad may be a view)
   finish()                                     step_sync: order the caller's work after ours
 
 A Ticket says when a copy has landed: ``ready()`` polls, ``wait()`` blocks.
@@ -130,9 +131,9 @@ class HostTransport:
         self._stats.h2d_s += time.perf_counter() - began
         self._stats.h2d_bytes += _nbytes(buffer)
 
-    def group_to_host(self, params: Sequence[torch.Tensor],
+    def group_to_host(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                       with_values: bool) -> tuple[list, Landed]:
-        return [_flat(p.grad.detach()) for p in params], Landed()
+        return [_flat(grad.detach()) for grad in grads], Landed()
 
     def group_out(self, params: Sequence[torch.Tensor]) -> list:
         return [self.out(p) for p in params]
@@ -315,7 +316,7 @@ class CudaTransport:
 
     # -- what has no hook: fixed slots (pipeline/slots.py), or p's own buffers for a hooked p
 
-    def group_to_host(self, params: Sequence[torch.Tensor],
+    def group_to_host(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                       with_values: bool) -> tuple[list, CudaTicket]:
         refuse_capture(self.device)
         self._check_prepared()
@@ -323,6 +324,7 @@ class CudaTransport:
         stream = self.backward_stream or torch.cuda.current_stream(self.device)
         grad_ready = self._mark_ready(stream)
         slotted = [p for p in params if p in slots]
+        grad_of = dict(zip(map(id, params), grads))
         done = None
         with torch.cuda.stream(self.d2h_stream):
             if with_values:  # into the out buffers, which the kernel overwrites later
@@ -331,17 +333,17 @@ class CudaTransport:
                     self._values[p] = out
                     done = self._timed_copy("d2h", out, _flat(p.detach()), self.d2h_stream)
             copy_many([slots.view(slots.device_grad, p).view(p.shape) for p in slotted],
-                      [p.grad.detach() for p in slotted])
+                      [grad_of[id(p)].detach() for p in slotted])
             for dtype, start, end in slots.runs(slotted):
                 done = self._timed_copy("d2h", slots.host_grad[dtype].tensor[start:end],
                                         slots.device_grad[dtype][start:end], self.d2h_stream)
             for p in params:
                 if p not in slots:
                     done = self._timed_copy("d2h", self._buffer(self._grad, p),
-                                            _flat(p.grad.detach()), self.d2h_stream)
-        for p in params:
+                                            _flat(grad_of[id(p)].detach()), self.d2h_stream)
+        for p, grad in zip(params, grads):
             self._grad_ready[p] = grad_ready
-            _record_stream(p.grad, self.d2h_stream)
+            _record_stream(grad, self.d2h_stream)
         views = [slots.view(slots.host_grad, p) if p in slots else self._grad[p].tensor
                  for p in params]
         # Copies on one stream land in order: the last one landing means all have.

@@ -48,6 +48,7 @@ class StepRecord:
         self.num_batches = 0
         self.grad_norm: Optional[float] = None
         self.skip = False           # GradScaler found inf/NaN: the step is not applied
+        self.loop_edits: list = []  # jobs whose gradient the loop wrote (grad_edits.py)
 
     @property
     def failed(self) -> bool:

@@ -3,7 +3,8 @@
 Four paths (pipeline/step_wide.py): clipping that does not fire (bit for bit), clipping that fires
 on a held step (bit for bit), clipping that fires after some parameters were updated
 speculatively while it was expected (redone from the kept state: bit for bit), and clipping
-first used mid-training (corrected algebraically: fp32 rounding with fp32 moments).
+first used mid-training: redone bit for bit with ``attach_hooks(edits_grads=True)``, refused in
+one line without it (no copy of the state was kept to redo from).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _data(n: int) -> list:
 
 def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
          steps: int = 6, torch_clip_from: int = 0, release_grads: bool = True,
-         clip_fn=None):
+         clip_fn=None, edits_grads: bool = False):
     """clip='arg' (max_grad_norm), 'torch' (clip_grad_norm_ each step from torch_clip_from).
 
     With hooks, the worker is let finish what has landed before each clip call, so the
@@ -40,7 +41,7 @@ def _run(hooks: bool, *, clip: str, max_norm: float, precision: str = "fp32",
                      max_grad_norm=max_norm if clip == "arg" else None,
                      release_grads=release_grads)
     if hooks:
-        opt.attach_hooks(model)
+        opt.attach_hooks(model, edits_grads=edits_grads)
     norms = []
     for i, (x, y) in enumerate(_data(steps)):
         (((model(x) - y) ** 2).mean() * 20).backward()
@@ -83,8 +84,8 @@ CASES = [
          clip="torch", max_norm=1e-3, exact=True),
     dict(desc="torch clip_grad_norm_ fires (pieces before the crossing redone): bit for bit",
          clip="torch", max_norm=0.5, exact=True),
-    dict(desc="torch clip_grad_norm_ first used at step 3: speculative updates corrected",
-         clip="torch", max_norm=0.5, exact=False, torch_clip_from=3),
+    dict(desc="torch clip_grad_norm_ first used at step 3, edits_grads=True: redone",
+         clip="torch", max_norm=0.5, exact=True, torch_clip_from=3, edits_grads=True),
     dict(desc="torch clip_grad_norm_, gradients kept in p.grad", clip="torch", max_norm=1e-3,
          exact=True, release_grads=False),
 ]
@@ -136,8 +137,8 @@ def test_clipping_speculative_correction_really_ran(monkeypatch):
     real = corrections.FactsMixin._correct
     monkeypatch.setattr(corrections.FactsMixin, "_correct",
                         lambda self, job: (calls.append(job.index), real(self, job)))
-    _run(True, clip="torch", max_norm=0.5, torch_clip_from=3)
-    assert calls, "clipping first used mid-training must correct the speculative updates"
+    _run(True, clip="torch", max_norm=0.5, torch_clip_from=3, edits_grads=True)
+    assert calls, "clipping first used mid-training must redo the speculative updates"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -150,24 +151,33 @@ def test_clipping_low_precision_moments_redo_equals_sync(precision, max_norm):
     _compare(hooked, sync, exact=True)
 
 
-def test_clipping_first_used_mid_training_with_fp8_moments_warns(caplog):
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_clipping_first_used_mid_training_is_refused_before_it_clips(precision):
+    # The updates already made used the unclipped gradients and no copy of their state was
+    # kept: they cannot be redone exactly, so the clip refuses before changing a gradient,
+    # and the step says which parameters had taken it.
     model = _model()
-    opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", precision="fp8",
+    opt = AdamBridge(model.parameters(), lr=1e-2, backend="torch", precision=precision,
                      small_param_threshold=100)
     opt.attach_hooks(model)
-    with caplog.at_level("WARNING", logger="adambridge"):
-        for i, (x, y) in enumerate(_data(3)):
-            (((model(x) - y) ** 2).mean() * 20).backward()
-            if i == 2:  # first clip, after the worker has updated speculatively
-                for lane in opt.pipeline.lanes.values():
-                    lane.wait(lane.call(lambda: None))
+    for i, (x, y) in enumerate(_data(3)):
+        (((model(x) - y) ** 2).mean() * 20).backward()
+        if i == 2:  # first clip, after the worker has updated speculatively
+            for lane in opt.pipeline.lanes.values():
+                lane.wait(lane.call(lambda: None))
+            with pytest.raises(RuntimeError, match=r"^adambridge: clipping changed the gradient "
+                                                   r"of parameter \d+ after backward.*"
+                                                   r"attach_hooks\(model, edits_grads=True\)"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with pytest.raises(RuntimeError, match="this step had already updated parameters"):
+                opt.step()
+        else:
             opt.step()
-            opt.zero_grad()
-    assert any("corrected approximately" in r.message for r in caplog.records)
+        opt.zero_grad()
+    opt.detach_hooks()
 
 
-def test_clipping_value_and_with_norm_are_routed_too():
+def test_clipping_value_and_with_norm_equal_sync():
     runs = []
     for hooks in (False, True):
         model = _model()

@@ -29,7 +29,7 @@ def test_transport_stats_count_every_copy_of_the_step(cuda):
     host, tickets = t.grad_to_host(big, big.grad, [(0, 500), (500, 1000)], with_values=False)
     t.out(big).copy_(host)
     t.to_device(big, 0, 1000)  # the worker's copy back: still running when finish returns
-    t.group_to_host([small], with_values=False)
+    t.group_to_host([small], [small.grad], with_values=False)
     t.group_to_device([small])
     t.finish()
     stats = t.take_stats()
@@ -45,7 +45,7 @@ def test_transport_small_slots_are_made_once_and_copy_runs_of_present_grads(cuda
     registered = len(cuda.register_threads)
     for present in ([a, b, c, h], [a, c], [b], [a, b, c, h]):
         copies_before = len(t._timings)
-        grads, ticket = t.group_to_host(present, with_values=False)
+        grads, ticket = t.group_to_host(present, [p.grad for p in present], with_values=False)
         for p, grad in zip(present, grads):
             assert torch.equal(grad, p.grad)
         runs = t._slots.runs([p for p in present])
@@ -70,7 +70,7 @@ def test_transport_small_copies_and_finish_use_the_backward_stream(cuda):
     with torch.cuda.stream(side):  # backward ran on a side stream (its hooks see it)
         t.grad_to_host(big, big.grad, [(0, 100)], with_values=False)
     cuda.log.clear()
-    t.group_to_host([small], with_values=False)  # step_sync on the default stream
+    t.group_to_host([small], [small.grad], with_values=False)  # step_sync on the default stream
     t.finish()
     assert ("d2h", side.name) in cuda.waits("wait_event")
     assert ("d2h", "default") not in cuda.waits("wait_event")
@@ -82,7 +82,7 @@ def test_transport_records_the_d2h_stream_on_every_gradient(cuda):
     t = CudaTransport(CPU)
     t.prepare([big], [small])
     t.grad_to_host(big, big.grad, [(0, 100)], with_values=False)
-    t.group_to_host([small], with_values=False)
+    t.group_to_host([small], [small.grad], with_values=False)
     assert [(id(g), s) for g, s in cuda.recorded] == [(id(big.grad), "d2h"), (id(small.grad), "d2h")]
 
 

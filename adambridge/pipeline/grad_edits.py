@@ -1,0 +1,194 @@
+"""The loop's gradients after the hooks have taken them: what p.grad is, and what a write may do.
+
+Mixed into pipeline.Pipeline. The promise is sync mode's: whatever the loop does to a
+gradient between ``backward()`` and ``step()`` (reads it, edits it in place, assigns a new
+one, zeroes it, through any function, bound whenever, at any size) acts on the gradient the
+update uses, or is refused in one line before anything changed. The mechanism covers the
+class instead of a list of functions:
+
+- **Reads are served.** The hook that takes p's gradient puts a GradView of it in p.grad
+  (pipeline/grad_views.py): every operation on it reads the step's own copy of the gradient.
+- **Writes are seen before they happen.** A write to a GradView first asks
+  ``allow_grad_write``: the step is settled (what lands from now on is held, nothing runs on
+  the workers), then the write goes ahead if p's update has not been made yet, or was made
+  with a copy of its state kept (finish then redoes it from that copy, exactly, as a firing
+  clip is redone: pipeline/step_wide.py); an update made without that copy cannot be
+  redone, so the write is refused, and the step fails, before the gradient changes.
+- **Assignments are taken at the step.** ``p.grad = masked`` replaces the view; the settle of
+  a routed fact and ``finish`` take the new tensor as the gradient (``_take_reassigned``),
+  under the same rule.
+- **The loop is watched from its first step.** That step is held (pipeline/hooks.py), so a
+  loop that changes gradients every step shows it before any update is made; from then on
+  every step keeps the copy a redo needs (``edits_grads``; 12, 8 or ~6 B per parameter), and a
+  step right after one whose edits changed values is held, as speculating for a loop that
+  changes every gradient would only do the update twice. ``attach_hooks(edits_grads=True)``
+  keeps the copy from the start, for a loop whose first change comes later.
+- **The step consumes its gradients.** With ``release_grads=True`` p.grad is None after
+  ``step()``; ``zero_grad(set_to_none=False)`` then gives every parameter that had a gradient
+  zeros again, as torch's would (made only if something writes them), so a parameter that
+  receives no gradient (an MoE expert without tokens) steps on zeros as in sync mode.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from .grad_views import GradView, StepSource, plain, retire, zeros_like
+from .work_items import Job, StepRecord
+
+def second_gradient_error(index: int) -> RuntimeError:
+    """A parameter's gradient arrived twice in one step (two backward passes, or reentrant
+    activation checkpointing using it twice)."""
+    return RuntimeError(f"parameter {index} received a second gradient before the optimizer "
+                        f"step; wrap the earlier backward passes of the step in `with "
+                        f"opt.accumulate():`, or pass accumulation_steps=N to attach_hooks; "
+                        f"within one backward, a parameter used in more than one "
+                        f"torch.utils.checkpoint(use_reentrant=True) region gets a gradient "
+                        f"from each: pass use_reentrant=False")
+
+
+class GradEditsMixin:
+    """Pipeline methods that keep p.grad faithful between backward and step()."""
+
+    def _init_grad_edits(self, edits_grads: bool) -> None:
+        self._views: dict = {}        # p -> the GradView this step put in p.grad
+        self._sources: dict = {}      # id(p) -> its StepSource, armed by each step's hook
+        self._taken: dict = {}        # p -> (weakref, version) of an assigned p.grad taken
+        self._consumed: set = set()   # ids of parameters a finished step took a gradient of
+        self.edits_grads = edits_grads  # keep what redoes an update, every step from now on
+        self.edits_changed = False    # the last step's loop changed gradients: hold the next
+
+    # -- the hook's side
+
+    def put_view(self, p: torch.Tensor, grad: torch.Tensor, host: torch.Tensor,
+                 tickets: Any) -> None:
+        """p.grad becomes a view of the step's gradient (``host``, and ``grad`` if kept)."""
+        source = self._sources.get(id(p))
+        if source is None:
+            source = self._sources[id(p)] = StepSource(self, p)
+        source.arm(host, None if self.opt.release_grads else grad, tickets)
+        view = GradView(grad, source)
+        self._views[p] = view
+        p.grad = view
+
+    # -- a write to a view, or an assigned p.grad (the caller's thread)
+
+    def allow_grad_write(self, p: torch.Tensor) -> None:
+        """Before anything writes p's gradient: settle the step, then allow or refuse."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:  # autograd accumulating a second gradient into it: backward raises,
+            self._open_tasks.add(task)  # so the step fails as after any interrupted pass
+            raise second_gradient_error(self.opt.index(p))
+        record = self._settled()
+        job = record.jobs.get(p)
+        if job is not None:
+            self._check_writable(record, [job], "a write to p.grad")
+            self._note_edit(record, job)
+
+    def grad_written(self, p: torch.Tensor) -> None:
+        """After a write (the values are in the job's host gradient)."""
+        return None
+
+    def _note_edit(self, record: StepRecord, job: Job) -> None:
+        if job.grad_before is None:  # what the update used: finish compares (and redoes)
+            job.grad_before = job.grad.clone()
+        record.loop_edits.append(job)
+        self.edits_grads = True
+
+    def _check_writable(self, record: StepRecord, jobs: list, what: str) -> None:
+        """Refuse (and fail the step) if a job's update was made with no copy to redo it."""
+        for job in jobs:
+            if job.streamed or len(job.saved_state) < len(job.updated_ranges):
+                exc = _unredoable(job, what)
+                record.fail(exc)
+                raise exc
+
+    def _take_reassigned(self, record: StepRecord) -> None:
+        """p.grad replaced since the hook (``p.grad = masked``): that tensor is the gradient."""
+        for p, view in self._views.items():
+            grad = p.grad
+            job = record.jobs.get(p)
+            if grad is view or job is None or self._already_taken(p, grad):
+                continue
+            if grad is None:
+                raise RuntimeError(f"adambridge: the gradient of parameter {job.index} was set to "
+                                   f"None after backward, which would leave it out of the step "
+                                   f"in sync mode, but async mode has taken it already; freeze "
+                                   f"it before the backward (requires_grad_(False)) instead")
+            self.opt.check_gradient(p)
+            self._check_writable(record, [job], "assigning p.grad")
+            self._note_edit(record, job)
+            job.grad.copy_(plain(grad).reshape(-1))
+            self._taken[p] = (weakref.ref(grad), grad._version)
+
+    def _take_assigned(self, record: StepRecord) -> None:
+        """``_take_reassigned`` at finish: a refusal fails the step (finish raises it)."""
+        try:
+            self._take_reassigned(record)
+        except (RuntimeError, ValueError) as exc:
+            if all(error is not exc for error, _ in record.errors):
+                record.fail(exc)
+
+    def _already_taken(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> bool:
+        taken = self._taken.get(p)
+        return (taken is not None and grad is not None and taken[0]() is grad
+                and taken[1] == grad._version)
+
+    # -- the step's end
+
+    def end_views(self, record: StepRecord) -> None:
+        """Retire this step's views; p.grad is None (consumed) or the kept device gradient."""
+        release = self.opt.release_grads
+        for p, view in self._views.items():
+            source = view.source
+            kept = source.kept
+            retire(view)
+            source.disarm()
+            if release and p in record.jobs:
+                p.grad = None
+                self._consumed.add(id(p))
+            elif p.grad is view:
+                p.grad = kept
+        self._views.clear()
+        self._taken.clear()
+        changed = [job for job in record.loop_edits
+                   if job.grad_before is not None and not torch.equal(job.grad_before, job.grad)]
+        self.edits_changed = bool(changed) and not record.failed
+        record.loop_edits.clear()
+
+    def restore_plain_grads(self) -> None:
+        """detach_hooks() mid-step: each view's values become a plain p.grad again."""
+        for p, view in self._views.items():
+            if p.grad is view:
+                p.grad = view.source.read()
+            source = view.source
+            retire(view)
+            source.disarm()
+        self._views.clear()
+
+    def zero_grads_kept(self) -> None:
+        """After torch's zero_grad(set_to_none=False): zeros for each consumed gradient."""
+        for p in self.owned:
+            if p.grad is None and id(p) in self._consumed:
+                p.grad = zeros_like(p)
+
+
+def _unredoable(job: Job, what: str) -> RuntimeError:
+    if job.streamed:
+        return RuntimeError(f"adambridge: {what} changed the gradient of parameter {job.index} "
+                            f"after backward, after the NVMe tier had committed its update "
+                            f"(offload_dir); pass attach_hooks(model, edits_grads=True), or "
+                            f"change gradients from the first step after attach_hooks()")
+    return RuntimeError(f"adambridge: {what} changed the gradient of parameter {job.index} "
+                        f"after backward, but async mode had already updated that parameter "
+                        f"from it and, as no earlier step of this loop had changed a gradient, "
+                        f"kept no copy of its state to redo the update; pass "
+                        f"attach_hooks(model, edits_grads=True) to keep one from the first "
+                        f"step, or change gradients from the first step after attach_hooks()")
+
+
+def grads_for_host(params: list) -> list:
+    """The real tensors behind params' gradients (a zero or kept view's values)."""
+    return [plain(p.grad) for p in params]

@@ -260,3 +260,43 @@ def test_fault_with_overlap_writeback_off_committed_parameters_still_get_their_w
     assert [int(opt.state[p]["step"]) for p in params] == [1, 2, 2]
     for p in params[1:]:  # committed: the parameter holds its new master
         assert torch.equal(p.detach().reshape(-1), opt.state[p]["master"].view(p.shape).reshape(-1))
+
+
+@pytest.mark.parametrize("where", ["hook entry", "before the pass is registered"])
+def test_fault_ctrl_c_in_the_first_hook_of_a_backward_fails_the_step(monkeypatch, where):
+    # A KeyboardInterrupt landing in the first gradient hook of a backward, before that hook
+    # had registered the pass, used to leave a silent partial step: the next step() raised
+    # nothing and sent that one parameter's gradient, still in p.grad, as a straggler.
+    from adambridge.pipeline import cuda_policy, hooks
+    model = Net()
+    opt = _opt(model)
+    opt.attach_hooks(model)
+    x = torch.randn(2, 16)
+    model(x).backward()
+    opt.step()  # past the held first step
+    opt.zero_grad()
+    calls = []
+
+    def interrupted(real):
+        def first_call_raises(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return first_call_raises
+
+    if where == "hook entry":
+        monkeypatch.setattr(hooks.Pipeline, "on_grad", interrupted(hooks.Pipeline.on_grad))
+    else:
+        monkeypatch.setattr(cuda_policy, "check_hook", interrupted(cuda_policy.check_hook))
+    with pytest.raises(KeyboardInterrupt):
+        model(x).backward()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"backward pass of this step did not finish.*no "
+                                           r"parameter or optimizer state was changed"):
+        opt.step()
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1] * 8
+    opt.zero_grad()
+    model(x).backward()
+    opt.step()  # the next step works again
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2] * 8

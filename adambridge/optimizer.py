@@ -23,7 +23,7 @@ from .distributed import zero
 from ._validation import UNSUPPORTED_TORCH_FLAGS
 from .autotune import Tuner
 from .update.functional import UpdateItem, adamw_update
-from .params import ParamOwner
+from .params import ParamOwner, first_listings
 from .update.state import can_alias_master
 from .stats import StepStats
 
@@ -271,6 +271,17 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                      f"{key}={self._setting(key)!r}"
                                      f"; build a new AdamBridge to change it")
 
+    def refuse_repeated_params(self) -> None:
+        """A step over groups that list a tensor more than once is refused (torch.optim would
+        update it once per listing); state_dict() takes such groups, as torch's does."""
+        index = self.repeated_param()
+        if index is not None:
+            p = self._indexed[index]
+            raise ValueError(f"param_groups list parameter {index} (shape {tuple(p.shape)}) "
+                             f"more than once, so torch.optim would update it once per "
+                             f"listing each step; list each tensor once "
+                             f"(param_groups.extend(param_groups) lists every one twice)")
+
     def follow_groups(self) -> None:
         """Index the parameters put into, taken out of or replaced in param_groups[i]['params']
         since the index was made, checked as add_param_group checks them.
@@ -306,10 +317,16 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         """The one-line error for param_groups changed under hooks or shard_state."""
         now, before = {id(p) for p in flat}, {id(p) for p in self._indexed}
         added = [(i, p) for i, p in enumerate(flat) if id(p) not in before]
-        i, p = added[0] if added else next((i, p) for i, p in enumerate(self._indexed)
-                                           if id(p) not in now)
-        what = (f"parameter {i} (shape {tuple(p.shape)}) was "
-                f"{'put into' if added else 'taken out of'} param_groups")
+        removed = [(i, p) for i, p in enumerate(self._indexed) if id(p) not in now]
+        if added or removed:
+            i, p = added[0] if added else removed[0]
+            what = (f"parameter {i} (shape {tuple(p.shape)}) was "
+                    f"{'put into' if added else 'taken out of'} param_groups")
+        else:  # the same tensors in another order: the index (and the rounding keys) would move
+            i, p = next((i, p) for i, (p, q) in enumerate(zip(first_listings(flat),
+                                                               self._indexed)) if p is not q)
+            what = (f"param_groups were reordered (position {i} now holds the parameter of "
+                    f"shape {tuple(p.shape)} that was {self._param_index[p]})")
         if self._pipeline is not None:
             return RuntimeError(f"param_groups changed after attach_hooks(): {what}, which the "
                                 f"hooks do not follow; call opt.detach_hooks(), then "
@@ -356,6 +373,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_group_settings()
+        self.refuse_repeated_params()
         if self._pipeline is not None:  # async mode: backward began this step, finish it
             self._pipeline.finish()
             return loss

@@ -48,10 +48,29 @@ class ParamOwner:
 
     def groups_changed(self) -> bool:
         """Whether param_groups[i]['params'] hold other tensors than the index was made of
-        (put in, taken out or replaced since add_param_group / load_state_dict)."""
+        (put in, taken out, replaced or reordered since add_param_group / load_state_dict).
+        The same tensors listed again after their first listing (``param_groups.extend(
+        param_groups)``, as torch's own optimizer tests do) is no change: each keeps the index
+        of its first listing, which is the id torch's state_dict gives it too."""
         flat = [p for group in self.param_groups for p in group["params"]]
         indexed = getattr(self, "_indexed", None)
-        return indexed is None or len(flat) != len(indexed) or not all(map(is_, flat, indexed))
+        if indexed is None:
+            return True
+        if len(flat) == len(indexed) and all(map(is_, flat, indexed)):
+            return False
+        firsts = first_listings(flat)
+        return len(firsts) != len(indexed) or not all(map(is_, firsts, indexed))
+
+    def repeated_param(self) -> Optional[int]:
+        """The index of the first parameter param_groups list more than once, or None."""
+        if sum(len(group["params"]) for group in self.param_groups) == len(self._indexed):
+            return None  # (per step: one sum when nothing is repeated)
+        seen: set = set()
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if id(p) in seen:
+                return self._param_index[p]
+            seen.add(id(p))
+        return None
 
     @property
     def param_index(self) -> dict:
@@ -209,3 +228,14 @@ def _views(master: Optional[torch.Tensor], p: torch.Tensor) -> bool:
     """
     return (master is not None and master.data_ptr() == p.data_ptr()
             and master.numel() == p.numel() and master.dtype == torch.float32)
+
+
+def first_listings(flat: Sequence[torch.Tensor]) -> list:
+    """``flat`` without the tensors listed before (each at its first listing)."""
+    seen: set = set()
+    firsts = []
+    for p in flat:
+        if id(p) not in seen:
+            seen.add(id(p))
+            firsts.append(p)
+    return firsts

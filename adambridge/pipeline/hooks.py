@@ -280,6 +280,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
         opt = self.opt
         try:
             opt.follow_groups()  # a parameter put into param_groups[i]["params"]: refused
+            opt.refuse_repeated_params()
         except (RuntimeError, ValueError, TypeError) as exc:
             record.fail(exc)
             return

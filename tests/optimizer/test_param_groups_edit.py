@@ -134,13 +134,22 @@ def test_param_groups_given_an_invalid_parameter_refuse_it_in_one_line(bad):
     assert torch.equal(before, params[0])
 
 
-def test_param_groups_listing_a_tensor_twice_is_refused():
+def test_param_groups_listing_a_tensor_twice_save_as_torch_and_refuse_a_step():
     params = _params(2)
-    opt = AdamBridge(params, lr=LR)
-    opt.param_groups[0]["params"].append(params[0])
-    with pytest.raises(ValueError, match=r"^Invalid param_groups: parameter 2 \(shape \(300,\)\) "
-                                         r"is listed twice; list each tensor once$"):
-        opt.state_dict()
+    opt, ref = AdamBridge(params, lr=LR), _adamw(params)
+    for o in (opt, ref):
+        o.param_groups[0]["params"].append(params[0])
+    # Each tensor keeps one id everywhere (torch gives a repeat within a group the id of its
+    # last listing, [2, 1, 2]: the same mapping); the state loads into torch's AdamW.
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["params"] == [0, 1, 0]
+    assert ref.state_dict()["param_groups"][0]["params"] == [2, 1, 2]
+    ref.load_state_dict(saved)
+    _grads(params, 0)
+    with pytest.raises(ValueError, match=r"^param_groups list parameter 0 \(shape \(300,\)\) "
+                                         r"more than once, so torch.optim would update it once "
+                                         r"per listing each step; list each tensor once"):
+        opt.step()
 
 
 @pytest.mark.parametrize("case", [
@@ -173,4 +182,69 @@ def test_param_groups_edited_with_hooks_attached_are_refused_before_any_update(c
     group = opt.param_groups[0]["params"]
     stepped = [i for i, p in enumerate(params) if any(p is q for q in group)]
     assert stepped and all(not torch.equal(before[i], params[i]) for i in stepped)
+    opt.detach_hooks()
+
+
+# -- the same tensors listed again, or reordered (the async issue's items 7 and 8)
+
+
+def _trained(hooks: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = AdamBridge(model.parameters(), lr=LR, small_param_threshold=0)
+    if hooks:
+        opt.attach_hooks(model)
+    for _ in range(2):
+        model(torch.randn(3, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["sync", "hooks"])
+def test_state_dict_of_groups_extended_with_themselves_is_torchs(hooks):
+    # torch's test_state_dict_deterministic: every tensor keeps the id of its first listing.
+    model, opt = _trained(hooks)
+    saved = opt.state_dict()
+    opt.param_groups.extend(opt.param_groups)
+    twice = opt.state_dict()
+    assert twice["param_groups"][-1]["params"] == saved["param_groups"][-1]["params"]
+    assert len(twice["param_groups"]) == 2 and twice["state"].keys() == saved["state"].keys()
+    ref = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref.param_groups.extend(ref.param_groups)
+    assert twice["param_groups"][1]["params"] == ref.state_dict()["param_groups"][1]["params"]
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["sync", "hooks"])
+def test_step_over_groups_listing_a_tensor_twice_is_refused_with_nothing_changed(hooks):
+    model, opt = _trained(hooks)
+    opt.param_groups.extend(opt.param_groups)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 6)).square().sum().backward()
+    with pytest.raises(ValueError, match=r"^param_groups list parameter 0 \(shape \(5, 6\)\) more "
+                                         r"than once.*list each tensor once"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    if hooks:
+        opt.detach_hooks()
+
+
+@pytest.mark.parametrize("edit", ["reverse", "extend"])
+def test_groups_edited_without_adding_or_removing_under_hooks_say_what_changed(edit):
+    # A bare StopIteration came out of step() and state_dict() before.
+    model, opt = _trained(hooks=True)
+    if edit == "reverse":
+        opt.param_groups[0]["params"].reverse()
+        match = r"param_groups changed after attach_hooks\(\): param_groups were reordered"
+        model(torch.randn(3, 6)).square().sum().backward()
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
+        with pytest.raises(RuntimeError, match=match):
+            opt.state_dict()
+    else:
+        opt.param_groups[0]["params"].extend(list(opt.param_groups[0]["params"]))
+        opt.state_dict()  # as torch's
+        model(torch.randn(3, 6)).square().sum().backward()
+        with pytest.raises(ValueError, match=r"more than once"):
+            opt.step()
     opt.detach_hooks()

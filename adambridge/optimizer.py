@@ -508,7 +508,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
     def attach_hooks(self, model: Optional[torch.nn.Module] = None, *,
                      accumulation_steps: int = 1,
                      closes_window: Optional[Callable[[], bool]] = None,
-                     edits_grads: bool = False) -> None:
+                     edits_grads: bool = False, verify_steps: Optional[int] = None) -> None:
         """Update each parameter as soon as backward has produced its gradient.
 
         Hooks go on ``model``'s parameters that this optimizer owns (all of them when
@@ -525,8 +525,14 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         gradient: ``p.grad`` is a view of the step's gradient (docs/async.md). A loop whose
         first change to a gradient comes after its first step passes ``edits_grads=True``
         (a copy of each update's state is kept, so any change is redone exactly).
+
+        ``verify_steps=N`` (default: the environment's ``ADAMBRIDGE_VERIFY_ASYNC``, else 0)
+        checks the first N steps against sync mode bit for bit and raises one line naming
+        the parameter, the step and the likely cause at the first difference.
         """
+        from .pipeline import verify
         edits_grads = check.boolean("edits_grads", edits_grads)
+        verify_steps = verify.steps_to_verify(verify_steps)
         from .distributed import ddp as ddp_async
         from .pipeline import hooks as pipeline
         if self._pipeline is not None:
@@ -537,6 +543,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if not sharded and not fsdp2:
             ddp_async.refuse_unknown_wrapper(model, "attach_hooks()")
         self.release_plan()  # the pipeline reads the write records and owns the steps now
+        if (sharded or fsdp2) and verify_steps:
+            raise ValueError(f"{verify.ENV}={verify_steps} checks the async mode of one process's "
+                             f"hooks; {'shard_state=True' if sharded else 'FSDP2'} runs its own "
+                             f"(the synchronous step's code on each shard): unset it there")
         if sharded:  # shard_state: this rank's ranges, from DDP's hook
             from .distributed import zero_async
             self._pipeline = zero_async.attach(self, model, accumulation_steps, closes_window)
@@ -554,7 +564,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         self._pipeline = pipeline.new(self, model, accumulation_steps=accumulation_steps,
                                       closes_window=closes_window,
                                       hook_grads=ddp is None and not late,
-                                      edits_grads=edits_grads)
+                                      edits_grads=edits_grads, verify_steps=verify_steps)
         pipeline.start(self._pipeline)
         if ddp is not None:  # DDP: updates start from its all-reduced buckets instead
             ddp_async.hand_over_reduced(ddp, self._pipeline)

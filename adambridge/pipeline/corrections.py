@@ -53,6 +53,7 @@ class FactsMixin:
             if job.speculative and job.grad_before is None:
                 job.grad_before = job.grad.clone()
             fn(job.grad)
+            self.copy_to_device_twins(job)  # what the loop reads of p.grad follows
 
     # -- routed from torch by pipeline/interception.py (after backward, before the step)
 
@@ -63,6 +64,7 @@ class FactsMixin:
             self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
         total = self._total_norm(jobs, others, norm_type)
+        self.check_norm_read(params, norm_type, total)  # (ADAMBRIDGE_VERIFY_ASYNC only)
         if error_if_nonfinite:
             step_wide.check_finite_norm(total, norm_type)
         self._clip(record, jobs, others, total, max_norm)

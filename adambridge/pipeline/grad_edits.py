@@ -30,11 +30,11 @@ class instead of a list of functions:
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import torch
 
+from . import verify
 from .grad_views import GradView, StepSource, plain, retire, zeros_like
 from .work_items import Job, StepRecord
 
@@ -53,9 +53,11 @@ class GradEditsMixin:
     """Pipeline methods that keep p.grad faithful between backward and step()."""
 
     def _init_grad_edits(self, edits_grads: bool) -> None:
-        self._views: dict = {}        # p -> the GradView this step put in p.grad
+        self._views: dict = {}        # p -> the GradView a hook put in p.grad this step
         self._sources: dict = {}      # id(p) -> its StepSource, armed by each step's hook
-        self._taken: dict = {}        # p -> (weakref, version) of an assigned p.grad taken
+        # p -> (the tensor in p.grad whose values the step took, its version, its tickets):
+        # sent without a hook (it stays in p.grad), or assigned over a view
+        self._taken: dict = {}
         self._consumed: set = set()   # ids of parameters a finished step took a gradient of
         self.edits_grads = edits_grads  # keep what redoes an update, every step from now on
         self.edits_changed = False    # the last step's loop changed gradients: hold the next
@@ -68,7 +70,8 @@ class GradEditsMixin:
         source = self._sources.get(id(p))
         if source is None:
             source = self._sources[id(p)] = StepSource(self, p)
-        source.arm(host, None if self.opt.release_grads else grad, tickets)
+        shadow = grad.detach().clone() if self._verifying() else None
+        source.arm(host, None if self.opt.release_grads else grad, tickets, shadow)
         view = GradView(grad, source)
         self._views[p] = view
         p.grad = view
@@ -105,12 +108,18 @@ class GradEditsMixin:
                 record.fail(exc)
                 raise exc
 
+    def note_sent(self, p: torch.Tensor, tickets: tuple) -> None:
+        """A gradient without a hook was sent from p.grad, which keeps it: later writes to it
+        (through a reference the loop took earlier, say) are taken again at the step."""
+        self._taken[p] = (p.grad, p.grad._version, tickets)
+
     def _take_reassigned(self, record: StepRecord) -> None:
-        """p.grad replaced since the hook (``p.grad = masked``): that tensor is the gradient."""
-        for p, view in self._views.items():
-            grad = p.grad
-            job = record.jobs.get(p)
-            if grad is view or job is None or self._already_taken(p, grad):
+        """p.grad replaced since the step took it (``p.grad = masked``), or a gradient sent
+        from p.grad written since: those values are the gradient."""
+        for p, job in record.jobs.items():
+            grad, view = p.grad, self._views.get(p)
+            if (view is None and p not in self._taken) or grad is view or \
+                    self._still_taken(p, grad):
                 continue
             if grad is None:
                 raise RuntimeError(f"adambridge: the gradient of parameter {job.index} was set to "
@@ -120,8 +129,41 @@ class GradEditsMixin:
             self.opt.check_gradient(p)
             self._check_writable(record, [job], "assigning p.grad")
             self._note_edit(record, job)
+            for ticket in self._taken.get(p, (None, None, ()))[2]:
+                ticket.wait()  # the first copy has landed: it must not land over this one
             job.grad.copy_(plain(grad).reshape(-1))
-            self._taken[p] = (weakref.ref(grad), grad._version)
+            self._taken[p] = (grad, grad._version, ())
+            if view is not None and self._verifying():  # sync mode's gradient is this one
+                view.source.shadow_grad = plain(grad).detach().clone()
+
+    def copy_to_device_twins(self, job: Job) -> None:
+        """After a routed fact changed job's host gradient (a clip that fired, GradScaler's
+        unscale): every other tensor that holds p's gradient takes those values, the kept
+        device gradient and one sent from p.grad (what the loop reads) and the shadow."""
+        p, host = job.p, job.grad
+        view, taken = self._views.get(p), self._taken.get(p)
+        twins = [] if view is None else [view.source.kept, view.source.shadow_grad]
+        if taken is not None and taken[0] is p.grad and p.grad is not view:
+            twins.append(plain(p.grad))
+        for twin in twins:
+            if twin is not None and twin.data_ptr() != host.data_ptr():
+                twin.copy_(host.view(twin.shape))
+        if taken is not None and taken[0] is p.grad:
+            self._taken[p] = (p.grad, p.grad._version, taken[2])  # our own write
+
+    def check_norm_read(self, params: list, norm_type: float, total: torch.Tensor) -> None:
+        """ADAMBRIDGE_VERIFY_ASYNC: the routed norm against torch's over the shadows."""
+        if not self._verifying():
+            return
+        shadows = self.shadows()
+        grads = [shadows.get(id(p)) if self.owns(p) else p.grad for p in params]
+        sync = torch.nn.utils.get_total_norm([g for g in grads if g is not None], norm_type)
+        if not verify.same_read(total, sync.to(total.device)):
+            raise RuntimeError(self.read_mismatch(params[0], "clip_grad_norm_'s total norm",
+                                                  total, sync))
+
+    def _verifying(self) -> bool:
+        return self.verifier is not None and self.verifier.active
 
     def _take_assigned(self, record: StepRecord) -> None:
         """``_take_reassigned`` at finish: a refusal fails the step (finish raises it)."""
@@ -131,10 +173,16 @@ class GradEditsMixin:
             if all(error is not exc for error, _ in record.errors):
                 record.fail(exc)
 
-    def _already_taken(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> bool:
+    def _still_taken(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> bool:
         taken = self._taken.get(p)
-        return (taken is not None and grad is not None and taken[0]() is grad
+        return (taken is not None and grad is not None and taken[0] is grad
                 and taken[1] == grad._version)
+
+    def shadows(self) -> dict:
+        """id(p) -> the gradient sync mode would use (ADAMBRIDGE_VERIFY_ASYNC)."""
+        found = {id(p): plain(p.grad) for p in self._taken if p not in self._views}
+        found.update((pid, source.shadow_grad) for pid, source in self._sources.items())
+        return found
 
     # -- the step's end
 
@@ -146,11 +194,13 @@ class GradEditsMixin:
             kept = source.kept
             retire(view)
             source.disarm()
-            if release and p in record.jobs:
-                p.grad = None
-                self._consumed.add(id(p))
-            elif p.grad is view:
+            if not release and p.grad is view:
                 p.grad = kept
+        if release:
+            for p in record.jobs:
+                if p in self._views or p in self._taken:  # (DDP's handed gradients: elsewhere)
+                    p.grad = None
+                    self._consumed.add(id(p))
         self._views.clear()
         self._taken.clear()
         changed = [job for job in record.loop_edits

@@ -70,6 +70,15 @@ class Source(abc.ABC):
     def close_write(self, written: torch.Tensor) -> None:
         """The operation has written ``written`` (what open_write returned)."""
 
+    def shadow(self) -> Optional[torch.Tensor]:
+        """The gradient as sync mode would hold it, where ADAMBRIDGE_VERIFY_ASYNC keeps one
+        (pipeline/verify.py); None elsewhere (both worlds then share these values)."""
+        return None
+
+    def step_source(self) -> Optional["StepSource"]:
+        """The StepSource these values come from, if any."""
+        return None
+
 
 class StepSource(Source):
     """The gradient a step holds for ``p``: its flat host copy ``host`` (landed once every
@@ -77,20 +86,26 @@ class StepSource(Source):
     ``owner`` (the pipeline, weakly) is asked before any write and told after it. One per
     parameter, armed by each step's hook and disarmed when the step ends."""
 
-    __slots__ = ("_owner", "p", "host", "kept", "tickets")
+    __slots__ = ("_owner", "p", "host", "kept", "tickets", "shadow_grad")
 
     def __init__(self, owner: Any, p: torch.Tensor) -> None:
         self._owner, self.p, self.device = weakref.ref(owner), p, p.device
         self.disarm()
 
-    def arm(self, host: torch.Tensor, kept: Optional[torch.Tensor],
-            tickets: Sequence[Any]) -> None:
-        self.host, self.kept, self.tickets = host, kept, tickets
+    def arm(self, host: torch.Tensor, kept: Optional[torch.Tensor], tickets: Sequence[Any],
+            shadow: Optional[torch.Tensor] = None) -> None:
+        self.host, self.kept, self.tickets, self.shadow_grad = host, kept, tickets, shadow
 
     def disarm(self) -> None:
         """Let go of the step's gradients (a new step arms it again)."""
-        self.host = self.kept = None
+        self.host = self.kept = self.shadow_grad = None
         self.tickets = ()
+
+    def shadow(self) -> Optional[torch.Tensor]:
+        return self.shadow_grad
+
+    def step_source(self) -> Optional["StepSource"]:
+        return self
 
     @property
     def owner(self) -> Any:
@@ -199,6 +214,13 @@ class DerivedSource(Source):
         base, self._open = self._open, None
         self.parent.source.close_write(base)
 
+    def shadow(self) -> Optional[torch.Tensor]:
+        base = self.parent.source.shadow()
+        return None if base is None else self._replay(base)
+
+    def step_source(self) -> Optional["StepSource"]:
+        return self.parent.source.step_source()
+
 
 class GradView(torch.Tensor):
     """``p.grad`` after the hook: every operation on it reaches the step's gradient."""
@@ -282,6 +304,8 @@ def _run(func: Any, args: tuple, kwargs: dict, written: list) -> Any:
     _wait_for_collective(func, out)
     for view, tensor in opened.values():
         view.source.close_write(tensor)
+    if any(isinstance(x, GradView) and x.source.shadow() is not None for x in flat):
+        _mirror(func, flat, spec, [view for view, _ in opened.values()], out)
     by_tensor = {id(tensor): view for view, tensor in opened.values()}
     out_flat, out_spec = tree_flatten(out)
     return tree_unflatten([by_tensor.get(id(x), x) for x in out_flat], out_spec)
@@ -289,14 +313,7 @@ def _run(func: Any, args: tuple, kwargs: dict, written: list) -> Any:
 
 def _written_views(func: Any, args: tuple, kwargs: dict) -> list:
     """The GradViews in the arguments the operator's schema marks as written."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        written += [x for x in values if isinstance(x, GradView)]
-    return written
+    return [x for x in _written_args(func, args, kwargs) if isinstance(x, GradView)]
 
 
 def _derived(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -345,3 +362,51 @@ def _foreach_in_batches(func: Any, args: tuple, kwargs: dict) -> Any:
     if all(out is None for out in outs):
         return None
     return [x for out in outs for x in out]
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def _mirror(func: Any, flat: list, spec: Any, written: list, out: Any) -> None:
+    """ADAMBRIDGE_VERIFY_ASYNC: the operation once more in sync mode's world, where each
+    view is its shadow. A read must give the same bits; a write moves the shadows as sync
+    mode's gradients would move. An operation with effects beyond its result (random
+    numbers, a collective, a plain tensor written) is not run twice: its written shadows
+    take the values it wrote, which do not depend on the world it ran in."""
+    effects = (func.namespace == "c10d" or torch.Tag.nondeterministic_seeded in func.tags
+               or len(written) < len(_written_args(func, *tree_unflatten(flat, spec))))
+    if effects:
+        for view in written:
+            shadow = view.source.shadow()
+            if shadow is not None:
+                shadow.copy_(view.source.read())
+        return
+    values = [_shadow_or_read(x) for x in flat]
+    call_args, call_kwargs = tree_unflatten(values, spec)
+    sync_out = func(*call_args, **call_kwargs)
+    if written:
+        return
+    from .verify import same_read  # (verify imports nothing of this module's callers)
+    if not same_read(out, sync_out):
+        view = next(x for x in flat if isinstance(x, GradView) and x.source.shadow() is not None)
+        root = view.source.step_source()
+        raise RuntimeError(root.owner.read_mismatch(root.p, func, out, sync_out))
+
+
+def _shadow_or_read(x: Any) -> Any:
+    if not isinstance(x, GradView):
+        return x
+    shadow = x.source.shadow()
+    return x.source.read() if shadow is None else shadow
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list:
+    """Every tensor (view or not) the schema marks as written."""
+    found = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [x for x in values if isinstance(x, torch.Tensor)]
+    return found

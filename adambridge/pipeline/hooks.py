@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 
 from .. import _validation as check
-from . import cuda_policy, interception, interrupted, late_work, step_wide
+from . import cuda_policy, interception, interrupted, late_work, step_wide, verify
 from ..stats import StepStats
 from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
@@ -71,7 +71,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
                  make_transport: Callable[[torch.device], Any] = make_transport,
                  accumulation_steps: int = 1,
                  closes_window: Optional[Callable[[], bool]] = None,
-                 hook_grads: bool = True, edits_grads: bool = False) -> None:
+                 hook_grads: bool = True, edits_grads: bool = False,
+                 verify_steps: int = 0) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
         self.owned = [p for group in opt.param_groups for p in group["params"]]
         in_model = self.owned if model is None else _model_params(model, self.owned)
@@ -115,6 +116,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._pieces: dict[int, tuple] = {}
         self.uses_grad_scaler = False
         self._init_grad_edits(edits_grads)
+        self.verifier = verify.Verifier(verify_steps) if verify_steps else None
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
         self.rolls_back = False  # a backward has raised: keep what rolls its updates back
         # A hyperparameter was written after a step's first gradient: since then every step
@@ -259,9 +261,11 @@ class Pipeline(FactsMixin, GradEditsMixin):
                 self._refresh_groups()
                 held = (not self._warm or self.uses_grad_scaler or self.hyper_written_late
                         or self.edits_changed)
+                checks = self.verifier is not None and self.verifier.active
                 record = StepRecord(held=held, clip_watch=self._clip_watch(),
                                     keep_state=(self.rolls_back or self.watches_hyper
-                                                or self.edits_grads),
+                                                or self.edits_grads or checks),
+                                    verify=checks,
                                     hyper_inputs=step_wide.hyper_inputs(self.opt.param_groups))
                 if self._late is not None:  # nothing may start: finish refuses the step
                     record.fail(RuntimeError("the update that timed out has not been "
@@ -402,10 +406,9 @@ class Pipeline(FactsMixin, GradEditsMixin):
         writeback = WriteBack(functools.partial(lane.transport.group_to_device, params),
                               len(params))
         new_ids = {id(p) for p in new}
-        for p, device_grad, grad, out in zip(params, device_grads, grads, outs):
-            if opt.release_grads:
-                lane.transport.release(device_grad)
-            self.put_view(p, device_grad, grad, _unlanded([ticket]))
+        tickets = _unlanded([ticket])
+        for p, grad, out in zip(params, grads, outs):
+            self.note_sent(p, tickets)  # p.grad keeps it until the step ends
             job = self._start_job(opt, record, p, opt.index(p), self.group_of[p], grad, out, 1,
                                   id(p) in new_ids, lane.transport)
             lane.submit(Piece(job, 0, p.numel(), ticket, writeback, record))
@@ -442,7 +445,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
             self._backward_interrupted(record)
         # Without a step-wide fact to come, what lands now is final: keep updating it.
         pending = self.facts_pending()
-        if not pending:
+        if not pending and not record.verify:
             # NOTE: the caller is in step() now, so nothing can change this step's gradients
             # or hyperparameters any more: an update run from here on needs no copy of the
             # state it started from (the tail of backward, the small parameters).
@@ -462,6 +465,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
             lane.transport.finish()  # the current stream waits for the copies back
+        verify_error = self._verify(record)
         self.opt.mark_written([job.p for job in record.jobs.values() if job.pieces_left == 0])
         with self._record_lock:
             self._record = None
@@ -481,6 +485,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._end_jobs(record)  # the host gradients go now, not at the next step
         if record.failed:
             _raise_step_error(record, late)
+        if verify_error is not None:
+            raise verify_error
         if sum(len(g["params"]) for g in self.opt.param_groups) != len(self.owned):  # step done
             raise RuntimeError("parameters were added after attach_hooks() and are never "
                                "updated: call opt.detach_hooks(), then opt.attach_hooks(model)")
@@ -531,6 +537,24 @@ class Pipeline(FactsMixin, GradEditsMixin):
                 for lane in self.lanes.values():
                     lane.transport.finish()  # the current stream waits for the late copies
         return self.opt.last_step_stats
+
+    def _verify(self, record: StepRecord) -> Optional[RuntimeError]:
+        """ADAMBRIDGE_VERIFY_ASYNC: this step's updates against sync mode's (verify.py)."""
+        if not record.verify:
+            return None
+        try:
+            self.verifier.check(self.opt, record, self.shadows(), self.opt.resolve_backend())
+        except RuntimeError as exc:
+            return exc
+        return None
+
+    def read_mismatch(self, p: torch.Tensor, func: Any, ours: Any, sync: Any) -> str:
+        """The one line of a read whose value differs from sync mode's (grad_views.py)."""
+        step = self.verifier.step + 1 if self.verifier is not None else 0
+        return (f"adambridge ({verify.ENV}): step {step}, parameter {self.opt.index(p)}: "
+                f"{func} on p.grad gives {ours!r} in async mode and {sync!r} in sync mode; "
+                f"most likely cause: the value was computed from the host copy of a GPU "
+                f"gradient (a norm), whose last bits may differ from the GPU's")
 
     def _release_handed_over(self, record: StepRecord) -> None:
         # NOTE: a hook releases the gradient it takes (release_grads), so the next backward
@@ -731,7 +755,8 @@ def _raise_step_error(record: StepRecord, late: Optional[late_work.LateWork] = N
     raise error from None
 
 
-def new(opt: OptimizerDoor, model: Optional[torch.nn.Module] = None, **options: Any) -> Pipeline:
+def new(opt: OptimizerDoor, model: Optional[torch.nn.Module] = None,
+        **options: Any) -> Pipeline:
     """The hooks for ``opt`` (see AdamBridge.attach_hooks, which holds what this returns and
     then calls start()); ``options`` are for tests."""
     cuda_policy.check_model(model)
@@ -750,6 +775,25 @@ def start(pipeline: Pipeline) -> None:
         from .. import autotune
         pipeline.tuner = opt.tuner  # the optimizer's: a re-attach goes on where it was
         autotune.tune_threads_once(opt, cpus=cpus)
+    _say_what_is_hooked(pipeline, opt.small_param_threshold)
+
+
+def _say_what_is_hooked(pipeline: Pipeline, threshold: int) -> None:
+    """Once, at attach_hooks(): how much of the model overlaps backward (a model whose every
+    tensor is under the threshold, most LoRA adapters, overlaps nothing: a warning)."""
+    hooked, owned = len(pipeline.hooked), len(pipeline.owned)
+    rest = owned - hooked
+    if hooked == 0:
+        _log.warning("adambridge: attach_hooks() hooked none of the %d parameters (each is under "
+                     "small_param_threshold=%d elements): all of them update at step(), so "
+                     "nothing overlaps backward; pass a smaller small_param_threshold (0 hooks "
+                     "every parameter) to overlap them", owned, threshold)
+        return
+    share = sum(p.numel() for p in pipeline.hooked) / max(
+        1, sum(p.numel() for p in pipeline.owned))
+    _log.info("adambridge: attach_hooks() hooked %d of %d parameters (%.0f%% of the elements); "
+              "the other %d (under small_param_threshold=%d elements) update at step()",
+              hooked, owned, 100 * share, rest, threshold)
 
 
 def _pool_cpus(pipeline: Pipeline) -> tuple[int, ...]:

@@ -27,7 +27,8 @@ class StepRecord:
     """
 
     def __init__(self, held: bool, clip_watch: Optional[float] = None,
-                 keep_state: bool = False, hyper_inputs: tuple = ()) -> None:
+                 keep_state: bool = False, hyper_inputs: tuple = (),
+                 verify: bool = False) -> None:
         self.lock = threading.Lock()
         self.held = held            # update nothing before finish (first or GradScaler step)
         self.hold_rest = False      # a step-wide fact is being decided: hold what lands now
@@ -35,6 +36,8 @@ class StepRecord:
         # Keep the master and moments from before each update made before the step's end
         # (step_facts.snapshot): to redo it if clipping fires, or to roll it back.
         self.keep_state = keep_state or clip_watch is not None
+        # ADAMBRIDGE_VERIFY_ASYNC: every update keeps that copy, held ones too (verify.py)
+        self.verify = verify
         # What each group's hyperparameters were at the step's first gradient
         # (step_facts.hyper_inputs): finish compares them with those it updates with.
         self.hyper_inputs = hyper_inputs

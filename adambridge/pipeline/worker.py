@@ -218,7 +218,7 @@ class Lane:
         try:
             read_steps(batch)
             batch, streamed = self._route(batch, record, speculative)
-            elapsed = self._update(batch, speculative and record.keep_state)
+            elapsed = self._update(batch, (speculative or record.verify) and record.keep_state)
             with record.lock:
                 record.host_update_s += elapsed
                 record.num_batches += bool(batch)

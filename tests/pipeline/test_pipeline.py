@@ -799,3 +799,29 @@ def test_host_pieces_past_gather_numel_wake_the_worker_during_backward(monkeypat
     # every 256-element weight sends what was gathered (a bias waits for the next weight)
     assert len(sent_in_backward[0]) == 6, sent_in_backward
     opt.detach_hooks()
+
+
+def test_attach_hooks_says_once_how_much_is_hooked(caplog):
+    # Item 9 of the async issue: a model whose every tensor is under small_param_threshold
+    # (most LoRA adapters) got no hook and overlapped nothing, and nothing said so.
+    small = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = AdamBridge(small.parameters(), lr=1e-3)
+    with caplog.at_level("INFO", logger="adambridge"):
+        opt.attach_hooks(small)
+        for _ in range(3):
+            small(torch.randn(2, 8)).sum().backward()
+            opt.step()
+    said = [r for r in caplog.records if "attach_hooks() hooked" in r.message]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert "hooked none of the 4 parameters" in said[0].message
+    assert "small_param_threshold=65536" in said[0].message
+    opt.detach_hooks()
+    caplog.clear()
+    big = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 2))
+    opt = AdamBridge(big.parameters(), lr=1e-3)
+    with caplog.at_level("INFO", logger="adambridge"):
+        opt.attach_hooks(big)
+    said = [r for r in caplog.records if "attach_hooks() hooked" in r.message]
+    assert [r.levelname for r in said] == ["INFO"]
+    assert "hooked 1 of 4 parameters (99% of the elements); the other 3" in said[0].message
+    opt.detach_hooks()

@@ -117,6 +117,11 @@ def _histogram(model, params, step, log):
     log.append([torch.histc(p.grad.float(), bins=16) for p in params if p.grad is not None])
 
 
+def _clip_then_log(model, params, step, log):
+    log.append(torch.nn.utils.clip_grad_norm_(params, 1e-3))  # routed: the host copies
+    log.append([p.grad.norm() for p in params])  # the clipped values, also where p.grad keeps them
+
+
 def _clip_value_bound_early(model, params, step, log):
     clip_grad_value_(params, 1e-4)
 
@@ -133,6 +138,7 @@ LOOPS = [
     Loop("the loop logs each gradient's norm", _log_norms),
     Loop("Lightning's grad_norm utility", _lightning_grad_norm),
     Loop("gradient histograms", _histogram),
+    Loop("clip_grad_norm_, then the loop logs each gradient's norm", _clip_then_log),
     Loop("clip_grad_value_ imported before attach_hooks", _clip_value_bound_early),
 ]
 

@@ -550,10 +550,12 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         if sharded:  # shard_state: this rank's ranges, from DDP's hook
             from .distributed import zero_async
             self._pipeline = zero_async.attach(self, model, accumulation_steps, closes_window)
+            self._pipeline.holds_always = edits_grads  # (no copy to redo from: hold instead)
             return
         if fsdp2:  # FSDP2: shards updated as their grads land
             from .distributed import fsdp_async
             self._pipeline = fsdp_async.attach(self, model, accumulation_steps, closes_window)
+            self._pipeline.holds_always = edits_grads
             return
         ddp = ddp_async.wrapper_in(model)
         if ddp is not None:

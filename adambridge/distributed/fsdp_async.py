@@ -87,6 +87,7 @@ class ShardUpdater(LandedWorker):
 
     def on_grad(self, p: torch.Tensor) -> None:
         self._note_hyper()
+        self._note_grad(p)  # FSDP2 has written the sharded gradient before this hook
         if self._held or not self._first_of_step(p):
             return
         try:
@@ -96,6 +97,16 @@ class ShardUpdater(LandedWorker):
             self._fail(exc)
             return
         self._enqueue(work)
+
+    def _fingerprint(self, grad: Any) -> Any:
+        # NOTE: torch 2.13's DTensor moves neither its own version counter nor its local
+        # tensor's when torch's clip_grads_with_norm_ scales it in place (mul_ by a plain
+        # tensor), so a write is seen by the values: the wrapping sum of the local shard's
+        # bit patterns (one read of the shard, in its hook; a changed value changes it,
+        # unless another change cancels it exactly).
+        local = grad.to_local() if fsdp.is_dtensor(grad) else grad
+        bits = local.detach().reshape(-1).view(_BITS[local.element_size()])
+        return grad._version, int(torch.sum(bits, dtype=torch.int64))
 
     def _second_gradient(self, p: torch.Tensor) -> str:
         return (f"parameter {self.opt.index(p)} received a second reduced gradient before the "
@@ -111,6 +122,9 @@ class ShardUpdater(LandedWorker):
         """opt.step(): wait for the worker, update what no hook delivered, raise failures."""
         began = time.perf_counter()
         done, errors, held = self._end_step()
+        edited = self._check_grad_edits(done)
+        if edited is not None:
+            errors.append(edited)
         if errors:
             raise _step_error(errors[0], len(done))
         if getattr(self.opt, "grad_scale", None) is not None or \
@@ -148,6 +162,9 @@ class ShardUpdater(LandedWorker):
             self._wait()
         finally:
             self._stop_worker()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _step_error(exc: BaseException, updated: int) -> BaseException:

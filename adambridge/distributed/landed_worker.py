@@ -14,7 +14,7 @@ import queue
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 from ..pipeline import interception, step_wide
 
@@ -35,6 +35,8 @@ class LandedWorker(ABC):
         self._held = True           # the first step: hooks record nothing, step() updates
         self._holds_always = False  # a hyperparameter was written after backward once
         self._hyper_read = None     # step_wide.hyper_inputs at this step's first hook
+        self._taken: dict = {}      # p -> (p.grad, its version) as this step took it
+        self._warned_edits = False
         self._seen: set = set()     # parameters whose reduced gradient arrived in this step
         self._done: set = set()     # ... and were updated by the worker
         self._errors: list = []
@@ -102,11 +104,34 @@ class LandedWorker(ABC):
                                        f"detach_hooks() and attach again")
                 self._cond.wait(_WAIT_S)
 
+    @property
+    def holds_always(self) -> bool:
+        """Whether every step is held until step() (a gradient or hyperparameter written
+        after backward was seen, or ``attach_hooks(edits_grads=True)``)."""
+        return self._holds_always
+
+    @holds_always.setter
+    def holds_always(self, value: bool) -> None:
+        self._holds_always = self._holds_always or bool(value)
+
+    def _note_grad(self, p: Any) -> None:
+        """p.grad as this step takes it (its final, reduced gradient): a loop that changes
+        it before step() is seen there (``_check_grad_edits``)."""
+        if p.grad is not None:
+            self._taken[p] = (p.grad, self._fingerprint(p.grad))
+
+    def _fingerprint(self, grad: Any) -> Any:
+        """What changes when ``grad`` is written in place: its version counter (the FSDP2
+        updater overrides it: DTensor writes miss the counters)."""
+        return grad._version
+
     def _end_step(self) -> tuple:
         """Wait for the worker; this step's (done, errors, held), the records reset."""
         self._wait()
         taken = frozenset(self._done), list(self._errors), self._held
-        self._seen, self._done, self._errors = set(), set(), []
+        self._edited = [p for p, (grad, mark) in self._taken.items()
+                        if p.grad is not grad or self._fingerprint(grad) != mark]
+        self._seen, self._done, self._errors, self._taken = set(), set(), [], {}
         # what this step's updates read: the next step's first hook reads it again, even
         # when this step raises before _check_hyper_writes
         self._hyper_at_end, self._hyper_read = self._hyper_read, None
@@ -134,6 +159,30 @@ class LandedWorker(ABC):
                      "every step is held until step() (no overlap with backward) and uses the "
                      "values step() sees, as torch does; write them before the backward to "
                      "keep the overlap", self._label, made)
+
+    def _check_grad_edits(self, done: Any) -> Optional[RuntimeError]:
+        """At step(): did the loop change a gradient between backward and step()? The
+        synchronous step reads p.grad now, and does for every step from now on (held: exact,
+        no overlap); a shard this step already updated from the old gradient cannot be
+        redone (no copy of its state is kept): the error says how many."""
+        edited = self._edited
+        if not edited:
+            return None
+        self._holds_always = True
+        if not self._warned_edits:
+            self._warned_edits = True
+            _log.warning("adambridge: a gradient was changed between backward and step() with "
+                         "attach_hooks() on %s; from now on every step is held until step() "
+                         "(no overlap with backward) and uses the gradients step() sees, as "
+                         "torch does", self._label)
+        updated = [p for p in edited if p in done]
+        if not updated:
+            return None
+        return RuntimeError(f"adambridge: the gradient of parameter {self.opt.index(updated[0])} "
+                            f"(and {len(updated) - 1} more) was changed between backward and "
+                            f"step(), after {self._label} async mode had updated its shard from "
+                            f"it; pass attach_hooks(model, edits_grads=True), or change "
+                            f"gradients from the first step after attach_hooks()")
 
     def _release_grads(self) -> None:
         """After a finished step: every gradient it applied leaves p.grad (release_grads)."""

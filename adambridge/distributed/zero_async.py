@@ -26,6 +26,7 @@ second reduced gradient before ``step()`` is an error.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -35,6 +36,7 @@ import torch
 
 from . import ddp as ddp_async, fsdp, zero
 from .landed_worker import LandedWorker, with_suffix
+from ..pipeline import grad_edits
 from ..stats import StepStats
 
 if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
@@ -93,6 +95,8 @@ class RangeUpdater(LandedWorker):
 
     def on_grad(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
         """DDP's comm hook: ``reduced`` is p's all-reduced gradient (a bucket view)."""
+        if self._hyper_read is None:  # the step's first hook: see p.grad once DDP wrote it
+            grad_edits.after_reducer(functools.partial(_note_grads, weakref.ref(self)))
         self._note_hyper()
         if self._held or p.grad is None:
             # No p.grad (the comm hook passes none such): unused by this rank's backward.
@@ -133,6 +137,9 @@ class RangeUpdater(LandedWorker):
         began = time.perf_counter()
         done, errors, held = self._end_step()
         opt = self.opt
+        edited = self._check_grad_edits(done)
+        if edited is not None:
+            errors.append(edited)
         ungraded = [opt.index(p) for p in done if p.grad is None]
         if not errors and ungraded:  # updated, then p.grad dropped: the gather would skip it
             errors.append(RuntimeError(_unused(ungraded[0])))
@@ -193,6 +200,15 @@ class RangeUpdater(LandedWorker):
                              "never all-gathered: the ranks' parameters differ", updated)
         finally:
             self._stop_worker()
+
+
+def _note_grads(ref: "weakref.ref[RangeUpdater]") -> None:
+    updater = ref()
+    opt = None if updater is None else updater.opt
+    if opt is not None:
+        for p in (p for group in opt.param_groups for p in group["params"]):
+            if updater.hooks(p):
+                updater._note_grad(p)
 
 
 def _unused(index: int) -> str:

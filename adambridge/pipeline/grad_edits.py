@@ -239,6 +239,15 @@ def _unredoable(job: Job, what: str) -> RuntimeError:
                         f"step, or change gradients from the first step after attach_hooks()")
 
 
+def after_reducer(callback: Any) -> None:
+    """Run ``callback`` when this backward ends, after DDP's reducer has written every p.grad
+    (its own end-of-backward callback is queued after the last bucket's comm hook, so one
+    queued from a comm hook would run before it: this one queues the callback again from
+    there, which puts it after every callback queued so far)."""
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(callback))
+
+
 def grads_for_host(params: list) -> list:
     """The real tensors behind params' gradients (a zero or kept view's values)."""
     return [plain(p.grad) for p in params]

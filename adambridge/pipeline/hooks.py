@@ -55,7 +55,7 @@ from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
 from .worker import _STOP, Lane, chunk_ranges, worker_cpus
 from .corrections import FactsMixin
-from .grad_edits import GradEditsMixin, grads_for_host, second_gradient_error
+from .grad_edits import GradEditsMixin, after_reducer, grads_for_host, second_gradient_error
 from .grad_views import plain
 
 if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
@@ -186,6 +186,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         if p in record.jobs:
             raise second_gradient_error(opt.index(p))
         if not record.failed:
+            if reduced is not None and not record.jobs:  # DDP: see p.grad once DDP wrote it
+                after_reducer(functools.partial(_note_reduced, weakref.ref(self)))
             self._take(opt, p, record, reduced)
         self.arrived.discard(p)  # last: an interrupt before it leaves p marked unfinished
 
@@ -725,6 +727,17 @@ def _backward_ended(pipeline_ref: "weakref.ref[Pipeline]", task: int) -> None:
         pipeline._open_tasks.discard(task)
         if not pipeline._open_tasks:
             pipeline._micro += 1  # the outermost pass ended: one more backward of the window
+
+
+def _note_reduced(pipeline_ref: "weakref.ref[Pipeline]") -> None:
+    """Under DDP, once its reducer has written p.grad: the values each job took are those,
+    so a loop that changes them before step() is seen (grad_edits._take_reassigned)."""
+    pipeline = pipeline_ref()
+    record = None if pipeline is None else pipeline._record
+    if record is not None:
+        for p in record.jobs:
+            if p.grad is not None:
+                pipeline._taken[p] = (p.grad, p.grad._version, ())
 
 
 def _shut_down(handles: list, lane_refs: list) -> None:

@@ -240,3 +240,32 @@ def test_distributed_async_first_late_write_warns_of_the_updates_it_made_then_ho
         # sync, not equal, and the warning said so
         for ours, theirs in zip(result[kind, 2, "async"], result[kind, 2, "sync"], strict=True):
             assert (ours - theirs).abs().max() < 1e-2
+
+
+# -- gradients changed between backward and step (pipeline/grad_edits.py, landed_worker.py)
+
+
+@pytest.fixture(scope="module")
+def grad_edits(tmp_path_factory):
+    return _launch("grad_edits", tmp_path_factory)
+
+
+@pytest.mark.parametrize("kind", ["scale", "titan"])
+@pytest.mark.parametrize("where", ["ddp", "shard_state", "fsdp2"])
+def test_gradients_changed_from_the_first_step_equal_sync(grad_edits, where, kind):
+    # The first step after attach_hooks is held: a loop that changes gradients from its
+    # first step is seen before any update is made (DDP: kept copies, shard_state and FSDP2:
+    # every later step held), so every step equals the synchronous loop's.
+    for result in grad_edits:
+        (ours, error), (sync, _) = result[where, kind, 0, "async"], result[where, kind, 0, "sync"]
+        assert error == "no error"
+        _identical(ours, sync)
+
+
+@pytest.mark.parametrize("where", ["ddp", "shard_state", "fsdp2"])
+def test_gradients_first_changed_after_speculative_updates_fail_the_step(grad_edits, where):
+    # Nothing was kept to redo the updates made before the change: the step says so.
+    for result in grad_edits:
+        error = result[where, "scale", 2, "async"][1]
+        assert error.startswith("step 2: ") and "edits_grads=True" in error, error
+

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 
 import torch
+# torch's own, bound before any attach_hooks (torchtitan imports it so)
+from torch.nn.utils import clip_grads_with_norm_ as _torch_clip_grads_with_norm_
 
 from _distributed_workers import LR, WD, _error, _full, batch, make_model, shard
 
@@ -206,3 +208,52 @@ def hyper_after_backward(rank: int, world: int, out_dir: str) -> dict:
                 result[kind, write_from, mode, "warnings"] = list(records.messages)
                 opt.detach_hooks()
     return result
+
+
+def _edit(kind: str, model, step: int, first: int) -> None:
+    """What a loop does to the gradients between backward and step, from step ``first``."""
+    if step < first:
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    if kind == "scale":
+        for p in params:
+            p.grad.mul_(0.5)
+    else:  # torchtitan's clip: its own total norm, torch's clip bound before attach_hooks
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        _torch_clip_grads_with_norm_(params, 1e-3, total)
+
+
+def _edit_loop(model, opt, rank: int, kind: str, first: int) -> str:
+    for step in range(STEPS):
+        model(batch(rank, step)).square().mean().backward()
+        _edit(kind, model, step, first)
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return f"step {step}: {exc}"
+        opt.zero_grad()
+    return "no error"
+
+
+def grad_edits(rank: int, world: int, out_dir: str) -> dict:
+    """Gradients changed between backward and step (scaled in place, torchtitan's clip) under
+    DDP, shard_state and FSDP2, from the first step or from the third, async against sync."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result = {}
+    for where in ("ddp", "shard_state", "fsdp2"):
+        for kind in ("scale", "titan"):
+            for first in (0, 2):
+                for mode in ("sync", "async"):
+                    if where == "fsdp2":
+                        model = shard(make_model())
+                        opt = _ours(model)
+                    else:
+                        model = DDP(make_model())
+                        opt = _ours(model, shard_state=where == "shard_state")
+                    if mode == "async":
+                        opt.attach_hooks(model)
+                    error = _edit_loop(model, opt, rank, kind, first)
+                    result[where, kind, first, mode] = _weights(model), error
+                    opt.detach_hooks()
+    return result
+

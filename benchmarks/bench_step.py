@@ -9,6 +9,7 @@ path is checked against step() bit for bit on the same model.
   python benchmarks/bench_step.py --preset gpu --json out.json   # 8 blocks, width 1024
   python benchmarks/bench_step.py --preset gpu --precisions bf16 --sweep   # + crossover
   python benchmarks/bench_step.py --preset cpu --precisions bf16 --hyper-costs  # lr writes
+  python benchmarks/bench_step.py --preset cpu --precisions bf16 --grad-costs   # p.grad use
 
 "sync" is step() on the device's parameters: one pinned staging buffer each way and one
 stream sync per step (sync/transfer.py). The sweep grows tokens per step (batch x 1024) and
@@ -120,6 +121,7 @@ def build(name: str, cfg: dict, device: torch.device, init: dict) -> Variant:
     opt = AdamBridge(model.parameters(), lr=1e-4, precision=precision,
                      max_grad_norm=max_grad_norm)
     write_lr = _lr_writer(opt, options.get("lr"))
+    touch = TOUCHES[options.get("touch", "none")]
     if mode == "async":
         opt.attach_hooks(model)
 
@@ -127,15 +129,34 @@ def build(name: str, cfg: dict, device: torch.device, init: dict) -> Variant:
             write_lr("before")
             _loss(model, tokens).backward()
             write_lr("after")
+            touch(model)
             opt.step_sync()
     else:
         def step(tokens: torch.Tensor) -> None:
             write_lr("before")
             _loss(model, tokens).backward()
             write_lr("after")
+            touch(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
     return Variant(name, model, step, opt)
+
+
+def _read_grads(model: nn.Module) -> None:
+    """What a loop that logs its gradients does: every gradient's norm, read back."""
+    norms = [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]
+    float(torch.stack(norms).norm())
+
+
+def _edit_grads(model: nn.Module) -> None:
+    """What a loop that edits its gradients does: every gradient changed in place."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+
+# touch=...: what the loop does to the gradients between backward and step()
+TOUCHES: dict = {"none": lambda model: None, "read": _read_grads, "edit": _edit_grads}
 
 
 def _lr_writer(opt: AdamBridge, when: Optional[str]) -> Callable[[str], None]:
@@ -347,7 +368,8 @@ def table(result: dict) -> str:
         sync = rows.get(name.replace("async", "sync")) if "async" in name else None
         plain = rows.get(" ".join(name.split()[:3])) if len(name.split()) > 3 else None
         if plain:
-            without = "unclipped" if " clip=" in name else "no lr write"
+            without = ("unclipped" if " clip=" in name else "untouched" if " touch=" in name
+                       else "no lr write")
             name = f"{name} ({r['median_ms'] / plain['median_ms']:.2f}x {without})"
         vs_sync = f"{r['median_ms'] / sync['median_ms']:.2f}x" if sync else "-"
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
@@ -373,6 +395,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--clip-costs", action="store_true",
                         help="time max_grad_norm off, on but never firing (1e9) and firing "
                              "every step (1e-3), sync and async, first of --precisions")
+    parser.add_argument("--grad-costs", action="store_true",
+                        help="time a loop that reads every gradient (logs its norm) and one "
+                             "that edits every gradient in place, sync and async, against "
+                             "the same loop touching none, first of --precisions")
     parser.add_argument("--hyper-costs", action="store_true",
                         help="time async mode with lr written before each backward, after the "
                              "first one only (the watch), and after each (llm.c's loop), "
@@ -390,7 +416,10 @@ def main(argv: Optional[list] = None) -> int:
             names += [f"adambridge async {precision} lr={when}"
                       for when in ("before", "once", "after")]
             names.append(f"adambridge sync {precision} lr=after")
-        if args.clip_costs or args.hyper_costs:
+        if args.grad_costs:
+            names += [f"adambridge {mode} {precision} touch={touch}"
+                      for touch in ("read", "edit") for mode in ("sync", "async")]
+        if args.clip_costs or args.hyper_costs or args.grad_costs:
             break
     result = run(args.preset, names, args.max_seconds)
     print(table(result), flush=True)

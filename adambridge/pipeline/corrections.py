@@ -29,6 +29,7 @@ class FactsMixin:
         record = self._current_record()
         self.send_rest(record)
         self.drain(record)
+        record.settled = True
         self._take_reassigned(record)  # p.grad assigned since its hook (pipeline/grad_edits.py)
         return record
 

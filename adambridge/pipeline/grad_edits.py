@@ -84,7 +84,9 @@ class GradEditsMixin:
         if task != -1:  # autograd accumulating a second gradient into it: backward raises,
             self._open_tasks.add(task)  # so the step fails as after any interrupted pass
             raise second_gradient_error(self.opt.index(p))
-        record = self._settled()
+        record = self._record or self._current_record()
+        if not record.settled:  # once a step: from then on what lands is held, none runs
+            record = self._settled()
         job = record.jobs.get(p)
         if job is not None:
             self._check_writable(record, [job], "a write to p.grad")
@@ -209,10 +211,12 @@ class GradEditsMixin:
         record.loop_edits.clear()
 
     def restore_plain_grads(self) -> None:
-        """detach_hooks() mid-step: each view's values become a plain p.grad again."""
-        for p, view in self._views.items():
-            if p.grad is view:
-                p.grad = view.source.read()
+        """detach_hooks(): every view in p.grad (a step's, kept zeros) becomes its values,
+        a plain tensor again, for the synchronous steps from now on."""
+        for p in self.owned:
+            if isinstance(p.grad, GradView):
+                p.grad = p.grad.source.read()
+        for view in self._views.values():
             source = view.source
             retire(view)
             source.disarm()

@@ -318,11 +318,21 @@ def _written_views(func: Any, args: tuple, kwargs: dict) -> list:
 
 def _derived(func: Any, args: tuple, kwargs: dict) -> Any:
     parent = args[0]
-    sample = func(parent.source.read(), *args[1:], **kwargs)  # shapes and strides of the view
+    sample = _view_metadata(func, parent, args, kwargs)
     if isinstance(sample, torch.Tensor):
         return GradView(sample, DerivedSource(parent, func, args, kwargs, None))
     return type(sample)(GradView(s, DerivedSource(parent, func, args, kwargs, i))
                         for i, s in enumerate(sample))
+
+
+def _view_metadata(func: Any, parent: "GradView", args: tuple, kwargs: dict) -> Any:
+    """The view's shape and strides, from a meta tensor laid out as ``parent`` (no read of
+    its values: on a GPU that would copy the gradient to the device for nothing)."""
+    meta = torch.empty_strided(parent.shape, parent.stride(), dtype=parent.dtype, device="meta")
+    try:
+        return func(meta, *args[1:], **kwargs)
+    except (RuntimeError, NotImplementedError, TypeError):  # an argument on another device
+        return func(parent.source.read(), *args[1:], **kwargs)
 
 
 def _wait_for_collective(func: Any, out: Any) -> None:

@@ -52,6 +52,7 @@ class StepRecord:
         self.grad_norm: Optional[float] = None
         self.skip = False           # GradScaler found inf/NaN: the step is not applied
         self.loop_edits: list = []  # jobs whose gradient the loop wrote (grad_edits.py)
+        self.settled = False        # sent and drained once after backward (corrections.py)
 
     @property
     def failed(self) -> bool:

@@ -16,6 +16,8 @@ import weakref
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
+import torch
+
 from ..pipeline import interception, step_wide
 
 _log = logging.getLogger("adambridge")
@@ -36,6 +38,7 @@ class LandedWorker(ABC):
         self._holds_always = False  # a hyperparameter was written after backward once
         self._hyper_read = None     # step_wide.hyper_inputs at this step's first hook
         self._taken: dict = {}      # p -> (p.grad, its version) as this step took it
+        self._consumed: set = set()  # ids of parameters whose gradient a step released
         self._warned_edits = False
         self._seen: set = set()     # parameters whose reduced gradient arrived in this step
         self._done: set = set()     # ... and were updated by the worker
@@ -194,7 +197,20 @@ class LandedWorker(ABC):
         if opt.release_grads:
             for group in opt.param_groups:
                 for p in group["params"]:
+                    if p.grad is not None:
+                        self._consumed.add(id(p))
                     p.grad = None
+
+    def zero_grads_kept(self, params: Optional[list] = None) -> None:
+        """After zero_grad(set_to_none=False): zeros for each gradient a step released, as
+        torch's zeroing would leave them (the next reduced gradient accumulates into them;
+        a parameter that gets none steps on them, as in sync mode)."""
+        opt = self.opt
+        owned = [p for group in opt.param_groups for p in group["params"]]
+        ids = None if params is None else {id(p) for p in params}
+        for p in owned:
+            if p.grad is None and id(p) in self._consumed and (ids is None or id(p) in ids):
+                p.grad = torch.zeros_like(p)
 
     def _stop_worker(self) -> None:
         self._queue.put(_STOP)

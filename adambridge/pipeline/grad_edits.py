@@ -222,9 +222,10 @@ class GradEditsMixin:
             source.disarm()
         self._views.clear()
 
-    def zero_grads_kept(self) -> None:
-        """After torch's zero_grad(set_to_none=False): zeros for each consumed gradient."""
-        for p in self.owned:
+    def zero_grads_kept(self, params: Optional[list] = None) -> None:
+        """After torch's zero_grad(set_to_none=False) (the optimizer's, or a module's over
+        ``params``): zeros for each gradient a step consumed, as torch's would be."""
+        for p in self.owned if params is None else params:
             if p.grad is None and id(p) in self._consumed:
                 p.grad = zeros_like(p)
 

@@ -15,6 +15,11 @@ before it has to redo anything:
   ``_clip_grads_with_norm_``, which is wrapped too.
 - ``GradScaler._unscale_grads_`` for an optimizer with hooks attached is answered by its
   pipeline (unscale and inf check of the host gradients; the step is held until it decides).
+- ``torch.nn.Module.zero_grad(set_to_none=False)``: a gradient the last step consumed is
+  None (``release_grads``), which torch's zeroing skips; sync mode would zero it, and a
+  parameter that then gets no gradient (an MoE expert without tokens) would step on the
+  zeros. The pipelines owning the module's parameters give those gradients their zeros
+  back, as ``AdamBridge.zero_grad(set_to_none=False)`` does.
 
 The wrappers are installed by the first attach and removed by the last detach.
 """
@@ -122,6 +127,14 @@ def _unscale_grads_(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
     return pipeline.unscale_grads(inv_scale, found_inf, allow_fp16)
 
 
+def _module_zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
+    _originals["module_zero_grad"](module, set_to_none)
+    if not set_to_none:
+        params = list(module.parameters())
+        for pipeline in _owners(params):
+            pipeline.zero_grads_kept(params)  # (every kind of pipeline has it)
+
+
 _WRAPPERS = {
     "clip_grad_norm_": clip_grad_norm_,
     "clip_grads_with_norm_": clip_grads_with_norm_,
@@ -143,6 +156,8 @@ def _install() -> None:
     from torch.amp.grad_scaler import GradScaler
     _originals["_unscale_grads_"] = GradScaler._unscale_grads_
     GradScaler._unscale_grads_ = _unscale_grads_
+    _originals["module_zero_grad"] = torch.nn.Module.zero_grad
+    torch.nn.Module.zero_grad = _module_zero_grad
 
 
 def _uninstall() -> None:
@@ -156,6 +171,8 @@ def _uninstall() -> None:
     from torch.amp.grad_scaler import GradScaler
     if GradScaler.__dict__.get("_unscale_grads_") is _unscale_grads_:
         GradScaler._unscale_grads_ = _originals["_unscale_grads_"]
+    if vars(torch.nn.Module).get("zero_grad") is _module_zero_grad:
+        torch.nn.Module.zero_grad = _originals["module_zero_grad"]
     _originals.clear()
 
 

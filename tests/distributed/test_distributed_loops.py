@@ -269,3 +269,16 @@ def test_gradients_first_changed_after_speculative_updates_fail_the_step(grad_ed
         error = result[where, "scale", 2, "async"][1]
         assert error.startswith("step 2: ") and "edits_grads=True" in error, error
 
+
+
+@pytest.fixture(scope="module")
+def kept_zeros(tmp_path_factory):
+    return _launch("kept_zeros", tmp_path_factory)
+
+
+@pytest.mark.parametrize("where", ["ddp", "shard_state", "fsdp2"])
+def test_idle_expert_steps_on_kept_zeros_as_in_sync(kept_zeros, where):
+    # zero_grad(set_to_none=False) after a step that released the gradients gives them
+    # their zeros back, so an expert that gets no token steps on zeros, as in sync mode.
+    for result in kept_zeros:
+        _identical(result[where, "async"], result[where, "sync"])

@@ -257,3 +257,48 @@ def grad_edits(rank: int, world: int, out_dir: str) -> dict:
                     opt.detach_hooks()
     return result
 
+
+
+class _Routed(torch.nn.Module):
+    """Two experts; on odd steps every token goes to the first (the second gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(13, 37)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(37, 5) for _ in range(2))
+        self.first_only = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        out = self.experts[0](h)
+        return out if self.first_only else out + self.experts[1](h)
+
+
+def kept_zeros(rank: int, world: int, out_dir: str) -> dict:
+    """zero_grad(set_to_none=False) with an expert idle every other step, under DDP,
+    shard_state and FSDP2: the idle expert steps on zeros in async mode as in sync mode."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result = {}
+    for where in ("ddp", "shard_state", "fsdp2"):
+        for mode in ("sync", "async"):
+            inner = _Routed()
+            if where == "fsdp2":
+                for expert in inner.experts:
+                    fully_shard(expert)
+                model = fully_shard(inner)
+                opt = _ours(model)
+            else:
+                model = DDP(inner, find_unused_parameters=True)
+                opt = _ours(model, shard_state=where == "shard_state")
+            if mode == "async":
+                opt.attach_hooks(model)
+            for step in range(4):
+                inner.first_only = step % 2 == 1
+                model(batch(rank, step)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            result[where, mode] = _weights(model)
+            opt.detach_hooks()
+    return result

@@ -57,6 +57,7 @@ class Loop:
     between: Callable  # (model, params, step, log) -> None
     zero_to_none: bool = True
     moe: bool = False
+    zero_through_model: bool = False  # model.zero_grad() rather than the optimizer's
 
 
 def _titan_clip(model, params, step, log):
@@ -130,6 +131,8 @@ LOOPS = [
     Loop("torchtitan clip (get_total_norm + clip_grads_with_norm_)", _titan_clip),
     Loop("MoE expert without tokens, zero_grad(set_to_none=False)", _moe_kept_zeros,
          zero_to_none=False, moe=True),
+    Loop("MoE expert without tokens, model.zero_grad(set_to_none=False)", _moe_kept_zeros,
+         zero_to_none=False, moe=True, zero_through_model=True),
     Loop("gradient assigned after backward (p.grad = masked)", _assign_masked),
     Loop("gradient scaled in place (p.grad.mul_)", _scale_in_place),
     Loop("noise added in place", _noise),
@@ -165,7 +168,7 @@ def run_loop(loop: Loop, width: int, *, hooks: bool, release_grads: bool,
                 lane.wait(lane.call(lambda: None))
         loop.between(model, params, step, log)
         opt.step()
-        opt.zero_grad(set_to_none=loop.zero_to_none)
+        (model if loop.zero_through_model else opt).zero_grad(set_to_none=loop.zero_to_none)
     if hooks:
         opt.detach_hooks()
     return model, opt, log

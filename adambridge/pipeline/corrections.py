@@ -257,14 +257,9 @@ def _all_are(hypers: list, final: Hyper) -> bool:
 
 
 def _filed_error(filed: list) -> str:
-    # NOTE: the NVMe tier commits with the gradient and hyperparameters it had and keeps no
-    # state in RAM to redo them from; with clipping expected (or after a hyperparameter
-    # written after backward) it holds its parameters to the step's end.
-    regrad = sorted(index for index, clipped in filed if clipped)
-    if regrad:
-        return (f"clipping first fired after the NVMe tier had committed parameters "
-                f"{regrad} (offload_dir); pass max_grad_norm= or clip from the first step "
-                f"after attach_hooks()")
+    # NOTE: the NVMe tier commits with the hyperparameters it had and keeps no state in RAM to
+    # redo them from; after a hyperparameter written after backward it holds its parameters
+    # to the step's end. (A changed gradient never gets here: _check_writable refused it.)
     return (f"a hyperparameter (lr, betas, eps or weight_decay) was written between backward "
             f"and step() after the NVMe tier had committed parameters "
             f"{sorted(index for index, _ in filed)} with the old value (offload_dir); write "

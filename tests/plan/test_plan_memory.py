@@ -218,3 +218,51 @@ def test_memory_gpu_check_script_parses_and_runs_the_measure_step():
     assert done.returncode == 0, done.stderr
     text = script.read_text(encoding="utf-8")
     assert '-m adambridge.plan.measure --json "$OUT_DIR/plan_memory.json"' in text
+
+
+# ---------------------------------------------------------------------------- the docs' figures
+
+LLAMA_2_7B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+                  intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+QWEN_2_5_0_5B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896,
+                     intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                     tie_word_embeddings=True)
+
+
+def _table_rows(heading: str) -> list:
+    text = (ROOT / "docs" / "planning.md").read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| Llama") or line.startswith("| Qwen")]
+
+
+def test_memory_docs_table_of_two_models_on_a_24_gb_gpu_is_the_plans(tmp_path):
+    import json
+    from adambridge.plan import plan
+    configs = {"Llama-2-7B": LLAMA_2_7B, "Qwen2.5-0.5B": QWEN_2_5_0_5B}
+    rows = _table_rows("## The GPU figures of two models on a 24 GB GPU")
+    assert len(rows) == 4
+    for name, mode, weights, grads, acts, async_total, sync_total, all_gpu in rows:
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(configs[name]))
+        p = plan(model=str(folder), gpu="RTX4090", tokens_per_step=4096, host_bw=100, host_ram=256,
+                 numa_nodes=1, activation_checkpointing=mode == "checkpointed")
+        ours, sync = p.row("AdamBridge bf16 moments"), next(r for r in p.rows if r.kind == "sync")
+
+        def shown(row) -> str:
+            return f"{row.gpu_total_gb:.1f} ({'fits' if row.gpu_fits else 'no'})"
+        digits = 1 if float(weights) >= 10 else 2
+        assert weights == f"{ours.gpu_params_gb:.{digits}f}"
+        assert grads == f"{ours.gpu_grads_gb:.2f} / {sync.gpu_grads_gb:.{digits}f}"
+        assert acts == f"{ours.gpu_activations_gb:.1f}"
+        assert (async_total, sync_total, all_gpu) == (shown(ours), shown(sync), shown(p.row("all-GPU")))
+
+
+def test_memory_docs_estimate_example_runs():
+    from _readme import example
+    code = example("## From Python, on a built model", ROOT / "docs" / "planning.md")
+    exec(compile(code, "docs/planning.md", "exec"), {})

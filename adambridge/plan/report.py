@@ -111,14 +111,13 @@ def _async_line(plan) -> str:
 
 
 def _checkpoint_line(plan) -> str:
-    rows = {r.precision: r for r in plan.rows if r.kind == "offload"}
-    extra = [(p, r.checkpoint_extra_gb) for p, r in rows.items() if r.checkpoint_extra_gb is not None]
+    head = ("checkpoint: a save or load of the host state adds at most the largest parameter's "
+            "state beyond what torch.optim.AdamW adds on the same path")
+    extra = [(r.precision, r.checkpoint_extra_gb) for r in plan.rows
+             if r.kind == "offload" and r.checkpoint_extra_gb is not None]
     if not extra:
-        return ("checkpoint: a save or load of the host state adds at most the largest parameter's "
-                "state beyond what torch.optim.AdamW adds on the same path (give --model to size it)")
-    return ("checkpoint: a save or load of the host state adds at most the largest parameter's "
-            "state beyond what torch.optim.AdamW adds on the same path: "
-            + ", ".join(f"{p} +{_gb(gb)} GB" for p, gb in extra))
+        return head + " (give --model to size it)"
+    return head + ": " + ", ".join(f"{p} +{_gb(gb)} GB" for p, gb in extra)
 
 
 def render(plan) -> str:

@@ -133,6 +133,21 @@ def test_memory_estimate_of_a_module_equals_the_plan_of_its_config(tmp_path):
     assert built["model"]["source"].startswith("nn.Module LlamaForCausalLM (bfloat16;")
 
 
+def test_memory_estimate_of_a_plain_module_counts_its_gradients_and_says_what_it_cannot():
+    from adambridge.plan import PlanError
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 10))  # fp32
+    planned = estimate(model, tokens_per_step=512, **MACHINE)
+    grads = planned.model.grads
+    assert (grads.largest, grads.small, grads.small_params) == (512 * 256, 256 + 2560 + 10, 3)
+    assert planned.model.source == "nn.Module Sequential (float32; counted as bf16 weights and gradients)"
+    assert planned.activations.startswith("activations: not counted on the GPU: Sequential has no .config")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(PlanError, match=r"^Invalid model: Sequential has no parameter with "
+                                        r"requires_grad=True, so there is nothing to optimize$"):
+        estimate(model, **MACHINE)
+
+
 # ---------------------------------------------------------------------------- activations
 
 ACTIVATION_CASES = [

@@ -6,11 +6,13 @@
 #
 # Budget: under 8 minutes, enforced per part by `timeout` and overall by a deadline; a hung
 # test dumps every thread's stack (tests/gpu/conftest.py) and only its file stops. Writes
-# at most 8 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
+# at most 10 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
 # `python -m adambridge info`), gpu_tests.log, junit_{pipeline,ordering,capture}.xml,
 # bench_step_gpu.{md,json}, plan.txt (the plan for the benchmark's model on this card and
 # host, its predicted step times and GPU memory beside the measured ones, and --check's
-# host update). Exit status: 0 all passed, 1 a part failed, 2 no CUDA device.
+# host update), plan_memory.{txt,json} (the plan's gradients and activations of one async
+# and one sync step of a small decoder against torch.cuda.max_memory_allocated).
+# Exit status: 0 all passed, 1 a part failed, 2 no CUDA device.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -83,6 +85,12 @@ else
   echo "gpu_check: no bench_step_gpu.json, so no plan beside it" | tee -a "$OUT_DIR/plan.txt"
   status=1
 fi
+
+# The plan's GPU memory against a measured step: async mode (each gradient released once its
+# copy is queued) and sync mode, gradients plus estimated activations against the peak
+# allocated beyond the step's start (adambridge/plan/measure.py; its CPU dry path is tested
+# in tests/plan/test_plan_memory.py).
+run_part 60 "$OUT_DIR/plan_memory.txt" "$PYTHON" -m adambridge.plan.measure --json "$OUT_DIR/plan_memory.json"
 
 echo "gpu_check: $([ "$status" -eq 0 ] && echo "all passed" || echo "FAILURES (see logs)");" \
   "$((SECONDS))s; outputs in $OUT_DIR"

@@ -2,10 +2,12 @@
 
 ``plan(...)`` turns a model (a count or a config.json), the work per step, a GPU and the
 host (measured here unless given) into a `Plan`: a row per setup (all-GPU AdamW, AdamBridge
-at each moment precision, sharded over the ranks, with the NVMe tier) and a recommendation
-in the offload article's order. ``python -m adambridge plan`` prints it; docs/planning.md
-names every formula. Importing this package imports neither transformers nor the native
-library: each is loaded only when a config is counted or the host is measured.
+at each moment precision in async mode, sharded over the ranks, in sync mode, with the NVMe
+tier, and a GPU-side AdamW over streamed state) and a recommendation in the offload
+article's order; ``estimate(model, ...)`` does the same for an nn.Module already built.
+``python -m adambridge plan`` prints it; docs/planning.md names every formula. Importing
+this package imports neither transformers nor the native library: each is loaded only when
+a config is counted or the host is measured.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from .errors import PlanError, invalid
 from .hardware import GpuSpec, HostSpec, resolve_gpu, resolve_host
 from .model import ModelFacts, model_facts, parse_count
 from .setups import Inputs, Nvme, Row, Work
+from .shapes import SMALL_PARAM_THRESHOLD, count_module, layout
 
-__all__ = ["plan", "Plan", "Row", "Advice", "PlanError"]
+__all__ = ["plan", "estimate", "Plan", "Row", "Advice", "PlanError"]
 PARALLEL = ("ddp", "fsdp2")
 Number = Union[str, float, int]
 
@@ -40,6 +43,7 @@ class Plan:
     rows: tuple
     advice: Advice
     notes: tuple
+    activations: str = ""   # what the activations on the GPU are, and where they came from
 
     def row(self, name: str) -> Row:
         """The row whose name starts with ``name`` ("all-GPU", "AdamBridge bf16 moments")."""
@@ -79,25 +83,59 @@ def _optional(name: str, value: Optional[Number], **kwargs) -> Optional[float]:
 def plan(*, params: Optional[Number] = None, model: Optional[str] = None,
          trainable: Optional[Number] = None, lora_rank: Optional[Number] = None,
          lora_targets: Union[None, str, Sequence[str]] = None,
-         tokens_per_step: Number = 4096, accumulation: Number = 1, gpus: Number = 1,
-         parallel: str = "ddp", activations_gb: Number = 0, gpu: Optional[str] = None,
-         gpu_memory: Optional[Number] = None, gpu_tflops: Optional[Number] = None,
-         link_gbps: Optional[Number] = None, hbm_gbps: Optional[Number] = None,
-         host_bw: Optional[Number] = None, host_ram: Optional[Number] = None,
-         numa_nodes: Optional[Number] = None, host_reserve: Number = 0.10,
-         host_update_ns: Union[None, str, Mapping[str, Number]] = None,
-         nvme_gbps: Number = 7.0, drive_tb: Number = 3.84, dwpd: Number = 1.0) -> Plan:
+         small_param_threshold: Number = SMALL_PARAM_THRESHOLD, **machine) -> Plan:
     """The plan for a model on a GPU and this host (keywords mirror the command's flags:
     ``tokens_per_step`` is ``--tokens-per-step``; sizes in GB, rates in GB/s and TFLOP/s).
 
-    Deterministic for given inputs; only ``host_bw`` and ``host_ram`` left out are
-    measured here (with ``host_bw``, the kernel's arithmetic ceiling ``host_update_ns`` unless
-    given: ``{"fp8": 1.1}`` or ``"fp8=1.1"``, ns per element), and the GPU, when ``gpu`` is
-    left out, is the CUDA card found.
+    The work and the machine are the keywords of ``estimate``. Deterministic for given
+    inputs; only ``host_bw`` and ``host_ram`` left out are measured here (with ``host_bw``,
+    the kernel's arithmetic ceiling ``host_update_ns`` unless given: ``{"fp8": 1.1}`` or
+    ``"fp8=1.1"``, ns per element), and the GPU, when ``gpu`` is left out, is the CUDA card
+    found.
     """
+    threshold = int(_number("small_param_threshold", small_param_threshold, above=False, whole=True))
     facts = model_facts(params=params, model=model, trainable=trainable, lora_rank=lora_rank,
-                        lora_targets=lora_targets)
-    work = _work(tokens_per_step, accumulation, gpus, parallel, activations_gb)
+                        lora_targets=lora_targets, small_param_threshold=threshold)
+    return _plan_for(facts, **machine)
+
+
+def estimate(model, *, small_param_threshold: Number = SMALL_PARAM_THRESHOLD, **machine) -> Plan:
+    """The plan for an nn.Module already built (as DeepSpeed's memory estimators take one):
+    its parameters counted (shared ones once), its trainable ones (``requires_grad``) sized
+    one by one for the gradients async mode keeps on the GPU, and, for a transformers model,
+    its ``config``'s decoder shape for the activations. Nothing of the model is read but
+    sizes, and nothing is allocated. Weights and gradients are counted at 2 B (the bf16
+    mixed precision the plan is for), whatever the module's dtype now (its source says it).
+    The other keywords are ``plan()``'s: tokens_per_step, accumulation, gpus, parallel,
+    activations_gb, activation_checkpointing, gpu, gpu_memory, gpu_tflops, link_gbps,
+    hbm_gbps, host_bw, host_ram, numa_nodes, host_reserve, host_update_ns, nvme_gbps,
+    drive_tb, dwpd."""
+    threshold = int(_number("small_param_threshold", small_param_threshold, above=False, whole=True))
+    counted = count_module(model)
+    trainable = sum(counted.trainable_numels)
+    if trainable == 0:
+        raise PlanError(f"Invalid model: {counted.name} has no parameter with requires_grad=True, "
+                        f"so there is nothing to optimize")
+    dtypes = "/".join(counted.dtypes)
+    facts = ModelFacts(counted.total, trainable,
+                       f"nn.Module {counted.name} ({dtypes}; counted as bf16 weights and gradients)",
+                       "all parameters" if trainable == counted.total else
+                       "the parameters with requires_grad", counted.shape, counted.shape_note,
+                       layout(counted.trainable_numels, threshold))
+    return _plan_for(facts, **machine)
+
+
+def _plan_for(facts: ModelFacts, *, tokens_per_step: Number = 4096, accumulation: Number = 1,
+              gpus: Number = 1, parallel: str = "ddp", activations_gb: Optional[Number] = None,
+              activation_checkpointing: bool = False, gpu: Optional[str] = None,
+              gpu_memory: Optional[Number] = None, gpu_tflops: Optional[Number] = None,
+              link_gbps: Optional[Number] = None, hbm_gbps: Optional[Number] = None,
+              host_bw: Optional[Number] = None, host_ram: Optional[Number] = None,
+              numa_nodes: Optional[Number] = None, host_reserve: Number = 0.10,
+              host_update_ns: Union[None, str, Mapping[str, Number]] = None,
+              nvme_gbps: Number = 7.0, drive_tb: Number = 3.84, dwpd: Number = 1.0) -> Plan:
+    work = _work(tokens_per_step, accumulation, gpus, parallel, activations_gb,
+                 activation_checkpointing)
     gpu_spec = resolve_gpu(gpu, memory_gb=_optional("gpu_memory", gpu_memory),
                            tflops=_optional("gpu_tflops", gpu_tflops),
                            link_gbps=_optional("link_gbps", link_gbps),
@@ -108,8 +146,7 @@ def plan(*, params: Optional[Number] = None, model: Optional[str] = None,
     host = resolve_host(bw_gbps=_optional("host_bw", host_bw), ram_gb=_optional("host_ram", host_ram),
                         numa_nodes=None if nodes is None else int(nodes),
                         update_ns=_update_ns(host_update_ns))
-    inp = Inputs(facts, work, gpu_spec, host, nvme, reserve)
-    return assemble(inp)
+    return assemble(Inputs(facts, work, gpu_spec, host, nvme, reserve))
 
 
 def _update_ns(value: Union[None, str, Mapping[str, Number]]) -> Optional[tuple]:
@@ -129,7 +166,7 @@ def _update_ns(value: Union[None, str, Mapping[str, Number]]) -> Optional[tuple]
     return tuple(parsed)
 
 
-def _work(tokens_per_step, accumulation, gpus, parallel, activations_gb) -> Work:
+def _work(tokens_per_step, accumulation, gpus, parallel, activations_gb, checkpointing) -> Work:
     tokens = parse_count("tokens_per_step", tokens_per_step)
     if tokens != int(tokens):
         raise invalid("tokens_per_step", tokens_per_step, "expected a whole number of tokens")
@@ -138,32 +175,58 @@ def _work(tokens_per_step, accumulation, gpus, parallel, activations_gb) -> Work
         raise invalid("accumulation", accumulation, f"more passes than the {tokens:,.0f} tokens per step")
     if parallel not in PARALLEL:
         raise invalid("parallel", parallel, f"one of {', '.join(PARALLEL)}")
+    if not isinstance(checkpointing, bool):
+        raise invalid("activation_checkpointing", checkpointing, "True or False")
     return Work(int(tokens), passes, int(_number("gpus", gpus, minimum=1, above=False, whole=True)),
-                parallel, _number("activations_gb", activations_gb, above=False))
+                parallel, _optional("activations_gb", activations_gb, above=False), checkpointing)
 
 
 def assemble(inp: Inputs) -> Plan:
     """The rows and the advice for checked inputs."""
     base = setups.all_gpu(inp)
     singles = {p: setups.offload(inp, p, base) for p in arithmetic.PRECISIONS}
+    sharding = inp.work.parallel == "ddp" and inp.work.gpus > 1
     sharded = ({p: setups.offload(inp, p, base, sharded=True) for p in arithmetic.PRECISIONS}
-               if inp.work.parallel == "ddp" and inp.work.gpus > 1 else {})
+               if sharding else {})
     chosen = choose_precision(sharded or singles)
+    compared = chosen or "fp32"
     nvme_row = setups.nvme(inp, chosen or "fp8", base)
     rows = [base, *singles.values()]
     if sharded:
         rows.append(sharded[chosen or "bf16"])
-    rows.append(nvme_row)
+    if inp.work.parallel != "fsdp2":  # (there every AdamBridge row is the synchronous step)
+        rows.append(setups.sync(inp, compared, base, sharded=sharding))
+    rows.append(setups.streamed(inp, compared, base, sharded=sharding))
+    if nvme_row is not None:
+        rows.append(nvme_row)
     return Plan(model=inp.model, work=inp.work, gpu=inp.gpu, host=inp.host, nvme=inp.nvme,
                 host_reserve=inp.host_reserve, gpu_usable_gb=inp.gpu_usable / arithmetic.GB,
                 host_usable_gb=inp.host_usable / arithmetic.GB, rows=tuple(rows),
-                advice=advise(inp, base, singles, sharded, nvme_row, chosen), notes=_notes(inp))
+                advice=advise(inp, base, singles, sharded, nvme_row, chosen),
+                notes=_notes(inp), activations=_activations_line(inp))
+
+
+def _activations_line(inp: Inputs) -> str:
+    """The activations the GPU column counts, and how they were found."""
+    work, shape = inp.work, inp.model.shape
+    if work.activations_gb is not None:
+        return f"activations: {work.activations_gb:,.2f} GB per GPU, given (--activations-gb)"
+    both = inp.activations_both()
+    if both is None:
+        return (f"activations: not counted on the GPU: {inp.model.shape_note}; give "
+                f"--activations-gb")
+    without, with_ = (b / arithmetic.GB for b in both)
+    counted = "with" if work.checkpointing else "without (--activation-checkpointing for with)"
+    family = "GPT-2" if shape.family == "gpt2" else "Llama-style"
+    return (f"activations: {inp.activation_bytes / arithmetic.GB:,.2f} GB per GPU at the peak of "
+            f"a backward of {work.tokens_per_pass:,.0f} tokens, estimated for the {family} decoder "
+            f"({shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab:,}; SDPA "
+            f"attention): {without:,.2f} GB without activation checkpointing, {with_:,.2f} GB "
+            f"with; counted: {counted}")
 
 
 def _notes(inp: Inputs) -> tuple:
     notes = []
-    if inp.work.activations_gb == 0:
-        notes.append("activations are not counted on the GPU (give --activations-gb)")
     if "NOT measured" in inp.host.bw_source:
         notes.append(f"host bandwidth {inp.host.bw_source}")
     if inp.host.numa_nodes > 1:

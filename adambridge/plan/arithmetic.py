@@ -60,9 +60,23 @@ def gpu_bytes(total: float, trainable: float, *, state_on_gpu: bool,
     return (total * BF16_BYTES / shards, trainable * BF16_BYTES / shards, state / shards)
 
 
+def host_extra_bytes_per_param() -> float:
+    """Host bytes per trainable parameter beyond its state, in every AdamBridge setup: the
+    pinned staging (a bf16 gradient and a bf16 write-back buffer). The one place a term is
+    added (the NVMe row and host_ram_bytes both read it)."""
+    return PINNED_BYTES
+
+
 def host_ram_bytes(elements: float, precision: str, *, pinned: bool = True) -> float:
-    """Host bytes for ``elements`` of state, plus async mode's pinned staging (4 B each)."""
-    return elements * (STATE_BYTES[precision] + (PINNED_BYTES if pinned else 0.0))
+    """Host bytes for ``elements`` of state, plus host_extra_bytes_per_param (4 B each)."""
+    return elements * (STATE_BYTES[precision] + (host_extra_bytes_per_param() if pinned else 0.0))
+
+
+def checkpoint_extra_bytes(largest_elements: float, precision: str) -> float:
+    """Host RAM a save or load of the state adds at its peak beyond the steady state and
+    beyond what torch.optim.AdamW adds on the same path: at most the largest parameter's
+    state, as the state streams parameter by parameter."""
+    return largest_elements * STATE_BYTES[precision]
 
 
 def params_that_fit(ram_bytes: float, bytes_per_param: float = ALL_GPU_STATE_BYTES) -> float:
@@ -73,6 +87,60 @@ def params_that_fit(ram_bytes: float, bytes_per_param: float = ALL_GPU_STATE_BYT
 def usable_bytes(capacity_gb: float, reserve: float) -> float:
     """The part of a memory the plan may fill: ``reserve`` (a fraction) is left to others."""
     return capacity_gb * GB * (1.0 - reserve)
+
+
+# ---------------------------------------------------------------------------- the GPU per mode
+
+def grad_bytes(elements: float) -> float:
+    """Device bytes of bf16 gradients: every trainable one in sync mode, under DDP (its
+    buckets hold them all) and while async mode accumulates over several backward passes."""
+    return elements * BF16_BYTES
+
+
+def async_grad_bytes(largest: float, small: float) -> float:
+    """Device bytes of gradients alive at once in async mode with release_grads=True, one
+    backward per step, one GPU: the largest hooked gradient (each is released in its hook,
+    once its copy to the host is queued) and the small parameters' (no hook: held until
+    step()), plus the small group's two device slots (gradients out, weights back)."""
+    return (largest + small) * BF16_BYTES + 2 * small * BF16_BYTES
+
+
+def link_backlog_bytes(hooked: float, largest: float, link_gbps: float, backward_s: float) -> float:
+    """Released gradients whose copy to the host has not run when backward ends: backward
+    makes 2 B per hooked parameter in ``backward_s`` and the link drains the gradients' half
+    of its budget (2 of LINK_BYTES_CPU_STEP) meanwhile; at least the largest is in flight.
+    The caching allocator keeps their blocks reserved (not allocated) until the copy has
+    landed, and waits for those copies before it would run out of memory."""
+    drained = link_gbps * GB * backward_s * BF16_BYTES / LINK_BYTES_CPU_STEP
+    return max(largest * BF16_BYTES, hooked * BF16_BYTES - drained)
+
+
+# ---------------------------------------------------------------------------- the state streamed to the GPU
+
+def streamed_link_seconds(elements: float, precision: str, link_gbps: float) -> float:
+    """A GPU-side AdamW whose state lives in host RAM: each step the state goes up and comes
+    back, each direction at ``link_gbps`` at once (PCIe is full duplex): 7B fp32: 84 GB each
+    way, 3.4 s at 25 GB/s."""
+    return elements * STATE_BYTES[precision] / (link_gbps * GB)
+
+
+def streamed_host_seconds(elements: float, precision: str, host_bw_gbps: float) -> float:
+    """Host DRAM time of that stream: the copies read the state and write it back (2 x the
+    state's bytes, against HOST_BYTES_TOUCHED of the host step)."""
+    return 2 * elements * STATE_BYTES[precision] / (host_bw_gbps * GB)
+
+
+def streamed_gpu_seconds(elements: float, precision: str, hbm_gbps: float) -> float:
+    """The GPU's AdamW over the state as it arrives: the host update's bytes at HBM speed."""
+    return elements * HOST_BYTES_TOUCHED[precision] / (hbm_gbps * GB)
+
+
+def streamed_crossover(precision: str) -> float:
+    """Host GB/s per GPU, as a multiple of the link's per direction, under which streaming
+    the state beats the host step when both are bound by their slowest stage: the stream
+    moves the state's bytes each way over the link, the host step touches
+    HOST_BYTES_TOUCHED in DRAM (fp32: 28 / 12 = 2.33; bf16 2.5; fp8 2.66)."""
+    return HOST_BYTES_TOUCHED[precision] / STATE_BYTES[precision]
 
 
 # ---------------------------------------------------------------------------- the link
@@ -113,10 +181,13 @@ def forward_flops(total: float, tokens: float) -> float:
     return 2.0 * total * tokens
 
 
-def backward_flops(total: float, trainable: float, tokens: float) -> float:
+def backward_flops(total: float, trainable: float, tokens: float,
+                   recompute: bool = False) -> float:
     """Backward pass: 2NT for the activations' gradients plus 2 per trainable parameter per
-    token for the weights' gradients, so 4NT when every parameter trains."""
-    return 2.0 * total * tokens + 2.0 * trainable * tokens
+    token for the weights' gradients, so 4NT when every parameter trains; with activation
+    checkpointing (``recompute``) the forward runs again inside it: + 2NT."""
+    again = forward_flops(total, tokens) if recompute else 0.0
+    return 2.0 * total * tokens + 2.0 * trainable * tokens + again
 
 
 def compute_seconds(flops: float, tflops: float) -> float:
@@ -152,11 +223,13 @@ def exposed_seconds(host_work_s: float, overlap_s: float, tail_s: float) -> floa
     return max(0.0, host_work_s - overlap_s) + tail_s
 
 
-def hiding_tokens(host_work_s: float, total: float, trainable: float, tflops: float) -> float:
+def hiding_tokens(host_work_s: float, total: float, trainable: float, tflops: float,
+                  recompute: bool = False) -> float:
     """Tokens per backward pass at which backward lasts as long as the host work:
-    T = host seconds x FLOP/s / (2N + 2N_trainable). Linear in N on both sides, so it does
-    not depend on the model's size (7B, 1.12 s, 400 TFLOP/s: 16,000 tokens)."""
-    return host_work_s * tflops * 1e12 / (2.0 * total + 2.0 * trainable)
+    T = host seconds x FLOP/s / (2N + 2N_trainable), + 2N with activation checkpointing.
+    Linear in N on both sides, so it does not depend on the model's size (7B, 1.12 s,
+    400 TFLOP/s: 16,000 tokens)."""
+    return host_work_s * tflops * 1e12 / backward_flops(total, trainable, 1.0, recompute)
 
 
 # ---------------------------------------------------------------------------- the drive

@@ -26,16 +26,24 @@ class _Parser(argparse.ArgumentParser):
 def _flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--params", help="parameter count, e.g. 7e9, 7B or 494M")
-    group.add_argument("--model", help="a Hugging Face config.json (or its folder), counted without weights")
+    group.add_argument("--model", help="a local Hugging Face config.json (or its folder), counted without "
+                       "weights; nothing is downloaded")
     group.add_argument("--trainable", help="trainable parameters: a fraction (<= 1) or a count")
     group.add_argument("--lora-rank", help="LoRA rank r (needs --model and --lora-targets)")
     group.add_argument("--lora-targets", help="comma-separated module names (peft's matching) or all-linear")
+    group.add_argument("--small-param-threshold", default="65536",
+                       help="the optimizer's small_param_threshold: smaller parameters keep their "
+                       "gradient on the GPU until step() in async mode (default 65536)")
     group = parser.add_argument_group("work")
     group.add_argument("--tokens-per-step", default="4096", help="tokens per optimizer step per GPU (default 4096)")
     group.add_argument("--accumulation", default="1", help="backward passes per step (default 1)")
     group.add_argument("--gpus", default="1", help="GPUs on this host (default 1)")
     group.add_argument("--parallel", default="ddp", help="ddp (default) or fsdp2")
-    group.add_argument("--activations-gb", default="0", help="activation memory per GPU in GB (default 0: not counted)")
+    group.add_argument("--activations-gb", help="activation memory per GPU in GB (default: estimated "
+                       "from --model's config; not counted with --params alone)")
+    group.add_argument("--activation-checkpointing", action="store_true",
+                       help="count the activations (and the recomputed forward) of activation "
+                       "checkpointing, one region per decoder layer")
     group = parser.add_argument_group("GPU (default: the CUDA card found)")
     group.add_argument("--gpu", help="a name from the table: " + ", ".join(_known()))
     group.add_argument("--gpu-memory", help="GPU memory in GB")
@@ -70,8 +78,9 @@ def _known() -> list:
     return [g.key for g in GPU_TABLE]
 
 
-PLAN_ARGS = ("params", "model", "trainable", "lora_rank", "lora_targets", "tokens_per_step",
-             "accumulation", "gpus", "parallel", "activations_gb", "gpu", "gpu_memory",
+PLAN_ARGS = ("params", "model", "trainable", "lora_rank", "lora_targets", "small_param_threshold",
+             "tokens_per_step", "accumulation", "gpus", "parallel", "activations_gb",
+             "activation_checkpointing", "gpu", "gpu_memory",
              "gpu_tflops", "link_gbps", "hbm_gbps", "host_bw", "host_ram", "numa_nodes",
              "host_reserve", "host_update_ns", "nvme_gbps", "drive_tb", "dwpd")
 

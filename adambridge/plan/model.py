@@ -1,6 +1,7 @@
 """How many parameters a plan counts: a given number, or a Hugging Face config.json counted
 without weights (on the meta device through transformers, else by a decoder formula), and
-how many of them train (a fraction, a count, or a LoRA adapter's parameters).
+how many of them train (a fraction, a count, or a LoRA adapter's parameters); with a config,
+also the decoder's shape and each parameter's size (shapes.py), for the GPU side.
 
 Nothing is downloaded and no remote code runs: the config is read from the file given and
 only transformers' own classes are built, on the meta device (no memory, no weights).
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .errors import PlanError, invalid
+from .shapes import SMALL_PARAM_THRESHOLD, GradLayout, Shape, layout, shape_of
 
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -33,15 +36,22 @@ class ModelCount:
     total: int
     layers: tuple          # LinearLayer of every linear module; () when given as a number
     source: str
+    numels: tuple = ()     # every parameter's elements (tied ones once); () when not known
+    shape: Optional[Shape] = None
+    shape_note: str = "a parameter count has no layer shape (give --model config.json)"
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What a plan is for: all parameters, the trainable ones, and how each was found."""
+    """What a plan is for: all parameters, the trainable ones, and how each was found; the
+    decoder's shape and the trainable parameters' sizes where a config or module told them."""
     total: int
     trainable: int
     source: str
     trainable_source: str
+    shape: Optional[Shape] = None
+    shape_note: str = ""
+    grads: Optional[GradLayout] = None
 
 
 def parse_count(name: str, value: Union[str, float, int]) -> float:
@@ -63,6 +73,12 @@ def read_config(path: Union[str, Path]) -> dict:
     """The dict of a config.json, or of the config.json in directory ``path``."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None
+        raise invalid("model", str(path), "no such file or folder here; nothing is downloaded"
+                      + (f": fetch its config.json first (huggingface-cli download {path} "
+                         f"config.json) and give that file" if hub else
+                         ": give a local config.json or its folder"))
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -106,9 +122,11 @@ def _meta_count(config: dict) -> tuple[Optional[ModelCount], str]:
         return None, f"transformers could not build it ({type(exc).__name__}: {str(exc)[:120]})"
     finally:
         transformers.logging.set_verbosity(verbosity)
-    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
-    return ModelCount(total, _layers(model), f"counted on the meta device: {cls} "
-                                             f"(transformers {transformers.__version__})"), ""
+    numels = tuple(p.numel() for p in model.parameters())  # tied weights are counted once
+    shape, note = shape_of(config)
+    return ModelCount(sum(numels), _layers(model), f"counted on the meta device: {cls} "
+                                                   f"(transformers {transformers.__version__})",
+                      numels, shape, note), ""
 
 
 def _build(transformers, hf_config):
@@ -160,15 +178,17 @@ def formula_count(config: dict, *, why: str = "", where: str = "config.json") ->
     layers = int(_field(config, ("num_hidden_layers", "n_layer", "num_layers"), where))
     heads = int(_field(config, ("num_attention_heads", "n_head"), where))
     if model_type == "gpt2":
-        count, linears = _gpt2(config, vocab, hidden, layers, where)
+        numels, linears = _gpt2(config, vocab, hidden, layers, where)
     else:
-        count, linears = _llama(config, vocab, hidden, layers, heads, where)
+        numels, linears = _llama(config, vocab, hidden, layers, heads, where)
     # NOTE: a tied lm_head is still a Linear module that peft can target by name.
     linears.append(LinearLayer("lm_head", hidden, vocab, output=True))
     family = "GPT-2" if model_type == "gpt2" else "Llama-style"
     because = f"; {why}" if why else ""
-    return ModelCount(count, tuple(linears), f"formula for a {family} decoder "
-                                             f"(model_type {model_type!r}{because})")
+    shape, note = shape_of(config)
+    return ModelCount(sum(numels), tuple(linears), f"formula for a {family} decoder "
+                                                   f"(model_type {model_type!r}{because})",
+                      tuple(numels), shape, note)
 
 
 def _gpt2(config: dict, vocab: int, hidden: int, layers: int, where: str):
@@ -179,11 +199,11 @@ def _gpt2(config: dict, vocab: int, hidden: int, layers: int, where: str):
     tied = config.get("tie_word_embeddings", True) is not False
     shapes = [("attn.c_attn", hidden, 3 * hidden), ("attn.c_proj", hidden, hidden),
               ("mlp.c_fc", hidden, inner), ("mlp.c_proj", inner, hidden)]
-    per_block = sum(i * o + o for _, i, o in shapes) + 2 * 2 * hidden
-    total = (vocab + positions) * hidden + layers * per_block + 2 * hidden
-    total += 0 if tied else vocab * hidden
+    block = [hidden, hidden] * 2 + [n for _, i, o in shapes for n in (i * o, o)]
+    numels = [vocab * hidden, positions * hidden, *block * layers, hidden, hidden]
+    numels += [] if tied else [vocab * hidden]
     linears = [LinearLayer(f"transformer.h.{b}.{n}", i, o) for b in range(layers) for n, i, o in shapes]
-    return total, linears
+    return numels, linears
 
 
 def _llama(config: dict, vocab: int, hidden: int, layers: int, heads: int, where: str):
@@ -203,11 +223,12 @@ def _llama(config: dict, vocab: int, hidden: int, layers: int, heads: int, where
               ("self_attn.o_proj", heads * head_dim, hidden, attention_bias),
               ("mlp.gate_proj", hidden, inner, mlp_bias), ("mlp.up_proj", hidden, inner, mlp_bias),
               ("mlp.down_proj", inner, hidden, mlp_bias)]
-    per_layer = sum(i * o + (o if bias else 0) for _, i, o, bias in shapes) + 2 * hidden
-    total = vocab * hidden + layers * per_layer + hidden + (0 if tied else vocab * hidden)
+    layer = [n for _, i, o, bias in shapes for n in ((i * o, o) if bias else (i * o,))]
+    numels = [vocab * hidden, *(layer + [hidden, hidden]) * layers, hidden]
+    numels += [] if tied else [vocab * hidden]
     linears = [LinearLayer(f"model.layers.{n}.{name}", i, o)
                for n in range(layers) for name, i, o, _ in shapes]
-    return total, linears
+    return numels, linears
 
 
 # ---------------------------------------------------------------------------- trainable
@@ -216,6 +237,11 @@ def lora_params(layers: Sequence[LinearLayer], rank: int, targets: Sequence[str]
     """LoRA's trainable parameters as peft counts them: r x (in + out) for each targeted
     layer (A is r x in, B is out x r). A target matches a module named exactly so or ending
     in "." + target; "all-linear" is every linear layer but the output layer."""
+    return sum(lora_numels(layers, rank, targets))
+
+
+def lora_numels(layers: Sequence[LinearLayer], rank: int, targets: Sequence[str]) -> list:
+    """The elements of each LoRA matrix peft adds (A: r x in, B: out x r per target layer)."""
     if list(targets) == ["all-linear"]:
         chosen = [layer for layer in layers if not layer.output]
     else:
@@ -225,7 +251,7 @@ def lora_params(layers: Sequence[LinearLayer], rank: int, targets: Sequence[str]
         suffixes = sorted({layer.name.rsplit(".", 1)[-1] for layer in layers})
         raise invalid("lora_targets", ",".join(targets),
                       f"matches no linear layer of the model; its layers end in {', '.join(suffixes)}")
-    return sum(rank * (layer.in_features + layer.out_features) for layer in chosen)
+    return [n for layer in chosen for n in (rank * layer.in_features, rank * layer.out_features)]
 
 
 def trainable_count(total: float, trainable: Union[None, str, float]) -> tuple[int, str]:
@@ -240,8 +266,8 @@ def trainable_count(total: float, trainable: Union[None, str, float]) -> tuple[i
     return int(number), "--trainable count"
 
 
-def model_facts(*, params=None, model=None, trainable=None, lora_rank=None,
-                lora_targets=None) -> ModelFacts:
+def model_facts(*, params=None, model=None, trainable=None, lora_rank=None, lora_targets=None,
+                small_param_threshold: int = SMALL_PARAM_THRESHOLD) -> ModelFacts:
     """The model's counts from the plan's model arguments, checked."""
     if (params is None) == (model is None):
         raise PlanError("Invalid params (--params) / model (--model): give exactly one "
@@ -250,11 +276,28 @@ def model_facts(*, params=None, model=None, trainable=None, lora_rank=None,
         ModelCount(int(parse_count("params", params)), (), "given: --params")
     if lora_rank is None and lora_targets is None:
         count, how = trainable_count(counted.total, trainable)
-        return ModelFacts(counted.total, count, counted.source, how)
-    return _lora_facts(counted, trainable, lora_rank, lora_targets)
+        return ModelFacts(counted.total, count, counted.source, how, counted.shape,
+                          counted.shape_note, _grads(counted, count, small_param_threshold))
+    return _lora_facts(counted, trainable, lora_rank, lora_targets, small_param_threshold)
 
 
-def _lora_facts(counted: ModelCount, trainable, lora_rank, lora_targets) -> ModelFacts:
+PARTLY_TRAINED = "which parameters train is not known: the largest and every small one are assumed to"
+
+
+def _grads(counted: ModelCount, trainable: int, threshold: int) -> Optional[GradLayout]:
+    """The trainable parameters' layout, or None when the count gave no sizes."""
+    if not counted.numels:
+        return None
+    every = layout(counted.numels, threshold)
+    if trainable >= counted.total:
+        return every
+    small = min(every.small, trainable)
+    return GradLayout(threshold, trainable - small, min(every.largest, trainable - small), small,
+                      every.small_params, assumed=PARTLY_TRAINED)
+
+
+def _lora_facts(counted: ModelCount, trainable, lora_rank, lora_targets,
+                threshold: int) -> ModelFacts:
     if trainable is not None:
         raise invalid("trainable", trainable, "give either --trainable or --lora-rank, not both")
     if lora_rank is None or not lora_targets:
@@ -268,6 +311,8 @@ def _lora_facts(counted: ModelCount, trainable, lora_rank, lora_targets) -> Mode
                       "target layers' shapes; or give --trainable COUNT")
     targets = [t.strip() for t in (lora_targets.split(",") if isinstance(lora_targets, str)
                                    else lora_targets) if t.strip()]
-    count = lora_params(counted.layers, int(rank), targets)
+    numels = lora_numels(counted.layers, int(rank), targets)
+    count = sum(numels)
     return ModelFacts(counted.total + count, count, counted.source,
-                      f"LoRA r={int(rank)} on {','.join(targets)} (the base model frozen)")
+                      f"LoRA r={int(rank)} on {','.join(targets)} (the base model frozen)",
+                      counted.shape, counted.shape_note, layout(numels, threshold))

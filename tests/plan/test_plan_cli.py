@@ -40,9 +40,14 @@ def test_plan_cli_prints_the_setup_the_table_and_one_recommendation(capsys):
     for row in ("all-GPU AdamW", "AdamBridge fp32 moments", "AdamBridge bf16 moments",
                 "AdamBridge fp8 moments", "NVMe"):
         assert re.search(rf"^{re.escape(row)}", out, re.M), row
-    for column in ("GPU GB p+g+s", "host GB", "link s", "update s", "bwd s", "exposed s", "step s",
-                   "vs GPU", "hides at", "NVMe s", "DWPD", "life mo"):
+    for column in ("GPU GB", "w+g+s+a", "host GB", "link s", "update s", "bwd s", "exposed s",
+                   "step s", "vs GPU", "hides at", "NVMe s", "DWPD", "life mo"):
         assert column in out
+    legend = out.split("\n\n")[1].splitlines()   # the table, then its legend under it
+    explained = " ".join(line for line in legend if line.startswith("  "))
+    for column in ("GPU GB", "w+g+s+a", "fits", "host GB", "link GB", "link s", "update s", "bwd s",
+                   "exposed s", "step s", "vs GPU", "hides at", "NVMe s", "DWPD", "life mo"):
+        assert f"{column}:" in explained or f"{column}," in explained, column
     assert out.count("Recommendation: ") == 1 and "host: 200.0 GB/s [given: --host-bw]" in out
 
 

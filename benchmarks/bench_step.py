@@ -274,8 +274,10 @@ def _detach(variants: list) -> None:
             variant.opt.detach_hooks()
 
 
-def run(preset: str, names: list, max_seconds: float, batch: Optional[int] = None) -> dict:
-    cfg = dict(PRESETS[preset], **({"batch": batch} if batch else {}))
+def run(preset: str, names: list, max_seconds: float, batch: Optional[int] = None,
+        timed: Optional[int] = None) -> dict:
+    cfg = dict(PRESETS[preset], **({"batch": batch} if batch else {}),
+               **({"timed": timed} if timed else {}))
     device = torch.device("cuda" if preset == "gpu" else "cpu")
     torch.manual_seed(0)
     init = GPT(cfg).state_dict()
@@ -387,6 +389,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=240.0,
                         help="stop the timed rounds once this much time is spent")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--timed", type=int, default=None,
+                        help="timed rounds (default: the preset's); more make the medians "
+                             "steadier on a loaded machine")
     parser.add_argument("--sweep", action="store_true",
                         help="then sweep tokens per step (async vs torch AdamW, first of "
                              "--precisions) and print the crossover within 1.05x")
@@ -421,7 +426,7 @@ def main(argv: Optional[list] = None) -> int:
                       for touch in ("read", "edit") for mode in ("sync", "async")]
         if args.clip_costs or args.hyper_costs or args.grad_costs:
             break
-    result = run(args.preset, names, args.max_seconds)
+    result = run(args.preset, names, args.max_seconds, timed=args.timed)
     print(table(result), flush=True)
     _write(args.json, result)  # written as it goes: a later part that hangs loses nothing
     if args.sweep:

@@ -20,8 +20,8 @@ class instead of a list of functions:
 - **The loop is watched from its first step.** That step is held (pipeline/hooks.py), so a
   loop that changes gradients every step shows it before any update is made; from then on
   every step keeps the copy a redo needs (``edits_grads``; 12, 8 or ~6 B per parameter), and a
-  step right after one whose edits changed values is held, as speculating for a loop that
-  changes every gradient would only do the update twice. ``attach_hooks(edits_grads=True)``
+  step right after one where the loop wrote a gradient is held, as speculating for a loop
+  that changes every gradient would only do the update twice. ``attach_hooks(edits_grads=True)``
   keeps the copy from the start, for a loop whose first change comes later.
 - **The step consumes its gradients.** With ``release_grads=True`` p.grad is None after
   ``step()``; ``zero_grad(set_to_none=False)`` then gives every parameter that had a gradient
@@ -97,8 +97,8 @@ class GradEditsMixin:
         return None
 
     def _note_edit(self, record: StepRecord, job: Job) -> None:
-        if job.grad_before is None:  # what the update used: finish compares (and redoes)
-            job.grad_before = job.grad.clone()
+        if job.speculative and job.grad_before is None:  # what the update used: finish
+            job.grad_before = job.grad.clone()  # compares it and redoes the update
         record.loop_edits.append(job)
         self.edits_grads = True
 
@@ -205,9 +205,9 @@ class GradEditsMixin:
                     self._consumed.add(id(p))
         self._views.clear()
         self._taken.clear()
-        changed = [job for job in record.loop_edits
-                   if job.grad_before is not None and not torch.equal(job.grad_before, job.grad)]
-        self.edits_changed = bool(changed) and not record.failed
+        # (a loop that writes gradients writes them every step, almost always changing them:
+        # the next step is held rather than speculated and redone)
+        self.edits_changed = bool(record.loop_edits) and not record.failed
         record.loop_edits.clear()
 
     def restore_plain_grads(self) -> None:

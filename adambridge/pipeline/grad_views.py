@@ -247,6 +247,16 @@ class GradView(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         return self.source.read().clone()
 
+    # What reads a tensor's memory rather than going through an operator: the values.
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.source.read().numpy(force=force)
+
+    def tolist(self) -> Any:
+        return self.source.read().tolist()
+
+    def __array__(self, dtype: Any = None) -> Any:
+        return self.source.read().__array__(dtype)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:

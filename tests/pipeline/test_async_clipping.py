@@ -234,11 +234,13 @@ def test_clipping_torch_functions_are_restored_after_detach():
     from adambridge.pipeline import interception
     gc.collect()  # optimizers of earlier tests, and their pipelines, are gone
     assert not list(interception._pipelines), "an earlier test keeps an optimizer alive"
-    original = torch.nn.utils.clip_grad_norm_
+    original, zero_grad = torch.nn.utils.clip_grad_norm_, torch.nn.Module.zero_grad
     model = _model()
     opt = AdamBridge(model.parameters(), backend="torch")
     opt.attach_hooks(model)
     assert torch.nn.utils.clip_grad_norm_ is not original
+    assert torch.nn.Module.zero_grad is not zero_grad
     opt.detach_hooks()
     assert torch.nn.utils.clip_grad_norm_ is original
     assert clip_grad.clip_grad_norm_ is original
+    assert torch.nn.Module.zero_grad is zero_grad

@@ -12,6 +12,7 @@ optimizer state tensor and every value the loop read must equal sync mode's with
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -338,3 +339,20 @@ def test_loop_zero_grad_kept_with_accumulation_equals_sync():
             opt.detach_hooks()
         runs.append((model, opt, []))
     assert_same_run(runs[1], runs[0])
+
+
+def test_loop_reads_of_p_grad_outside_torch_operators_equal_sync(tmp_path):
+    # What a logger does: print, numpy, tolist, torch.save, deepcopy, item, float.
+    def between(model, params, step, log):
+        g = params[0].grad
+        log.append(repr(g[:2, :3]))
+        log.append(g.cpu().numpy()[0, :4].tolist())
+        log.append(g[0, :4].tolist())
+        torch.save({"grad": g}, tmp_path / f"g{step}.pt")
+        log.append(torch.load(tmp_path / f"g{step}.pt")["grad"])
+        log.append(copy.deepcopy(g))
+        log.append(float(g.sum()))
+    loop, width = Loop("reads outside operators", between), SIZES["large"]
+    sync = run_loop(loop, width, hooks=False, release_grads=True)
+    hooked = run_loop(loop, width, hooks=True, release_grads=True)
+    assert_same_run(hooked, sync)

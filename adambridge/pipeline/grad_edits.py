@@ -199,10 +199,12 @@ class GradEditsMixin:
             if not release and p.grad is view:
                 p.grad = kept
         if release:
+            # NOTE: every gradient the step took, so the next backward starts from none even
+            # without zero_grad(): a view, one sent from p.grad, or DDP's (written into p.grad
+            # by its reducer after the comm hook, it would be added onto by that backward).
             for p in record.jobs:
-                if p in self._views or p in self._taken:  # (DDP's handed gradients: elsewhere)
-                    p.grad = None
-                    self._consumed.add(id(p))
+                p.grad = None
+                self._consumed.add(id(p))
         self._views.clear()
         self._taken.clear()
         # (a loop that writes gradients writes them every step, almost always changing them:

@@ -462,7 +462,6 @@ class Pipeline(FactsMixin, GradEditsMixin):
                 record.fail(exc)
         self._flush(record)
         self.note_hyper_writes(record)
-        self._release_handed_over(record)
         late = self._left_running(record)
         waited = time.perf_counter() - entered
         for lane in self.lanes.values():
@@ -557,15 +556,6 @@ class Pipeline(FactsMixin, GradEditsMixin):
                 f"{func} on p.grad gives {ours!r} in async mode and {sync!r} in sync mode; "
                 f"most likely cause: the value was computed from the host copy of a GPU "
                 f"gradient (a norm), whose last bits may differ from the GPU's")
-
-    def _release_handed_over(self, record: StepRecord) -> None:
-        # NOTE: a hook releases the gradient it takes (release_grads), so the next backward
-        # starts from none even without zero_grad(); a gradient handed over by DDP's comm
-        # hook stays in p.grad (DDP writes it there after the hook), and would be added onto
-        # by that backward: the step releases it, once the worker has used the bucket.
-        if not self._hooks_grads and self.opt.release_grads:
-            for p in record.jobs:
-                p.grad = None
 
     def _end_jobs(self, record: StepRecord) -> None:
         if record.failed:

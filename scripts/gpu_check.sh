@@ -6,8 +6,8 @@
 #
 # Budget: under 8 minutes, enforced per part by `timeout` and overall by a deadline; a hung
 # test dumps every thread's stack (tests/gpu/conftest.py) and only its file stops. Writes
-# at most 10 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
-# `python -m adambridge info`), gpu_tests.log, junit_{pipeline,ordering,capture}.xml,
+# at most 11 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
+# `python -m adambridge info`), gpu_tests.log, junit_{pipeline,grad_views,ordering,capture}.xml,
 # bench_step_gpu.{md,json}, plan.txt (the plan for the benchmark's model on this card and
 # host, its predicted step times and GPU memory beside the measured ones, and --check's
 # host update), plan_memory.{txt,json} (the plan's gradients and activations of one async
@@ -66,8 +66,9 @@ run_part 60 "$OUT_DIR/versions.txt" "$PYTHON" -c \
 run_part 30 "$OUT_DIR/versions.txt" "$PYTHON" -m adambridge info
 
 # One process per file: a hang (or an aborted graph capture) stops only its own file.
-for name in pipeline ordering capture; do
-  case $name in pipeline) limit=90;; ordering) limit=150;; capture) limit=40;; esac
+for name in pipeline grad_views ordering capture; do
+  case $name in pipeline) limit=90;; grad_views) limit=60;; ordering) limit=150;;
+    capture) limit=40;; esac
   run_part "$limit" "$OUT_DIR/gpu_tests.log" "$PYTHON" -m pytest -m gpu \
     "tests/gpu/test_cuda_$name.py" -v -rs -p no:cacheprovider \
     --junitxml="$OUT_DIR/junit_$name.xml"

@@ -356,3 +356,26 @@ def test_loop_reads_of_p_grad_outside_torch_operators_equal_sync(tmp_path):
     sync = run_loop(loop, width, hooks=False, release_grads=True)
     hooked = run_loop(loop, width, hooks=True, release_grads=True)
     assert_same_run(hooked, sync)
+
+
+THROUGH_CUDA = [loop for loop in LOOPS if loop.between in (
+    _titan_clip, _moe_kept_zeros, _assign_masked, _mask_in_place, _log_norms, _clip_then_log,
+    _clip_value_bound_early)]
+
+
+@pytest.mark.parametrize("release_grads", [True, False], ids=["release", "keep"])
+@pytest.mark.parametrize("loop", THROUGH_CUDA, ids=lambda loop: loop.desc)
+def test_loop_pattern_through_the_cuda_transport_equals_sync(monkeypatch, loop, release_grads):
+    # CudaTransport on fake streams (tests/helpers/fake_cuda.py): the host copy is a pinned
+    # buffer apart from the device gradient, so writes go both ways as they do on a GPU.
+    from fake_cuda import FakeCuda
+    from adambridge.pipeline import hooks
+    from adambridge.pipeline.transport import CudaTransport
+    FakeCuda(monkeypatch)
+    real_new = hooks.new
+    monkeypatch.setattr(hooks, "new", lambda opt, model=None, **options: real_new(
+        opt, model, make_transport=CudaTransport, **options))
+    width = SIZES["large"]
+    sync = run_loop(loop, width, hooks=False, release_grads=release_grads)
+    hooked = run_loop(loop, width, hooks=True, release_grads=release_grads)
+    assert_same_run(hooked, sync)

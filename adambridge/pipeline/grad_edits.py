@@ -38,6 +38,7 @@ from . import verify
 from .grad_views import GradView, StepSource, plain, retire, zeros_like
 from .work_items import Job, StepRecord
 
+
 def second_gradient_error(index: int) -> RuntimeError:
     """A parameter's gradient arrived twice in one step (two backward passes, or reentrant
     activation checkpointing using it twice)."""
@@ -91,10 +92,6 @@ class GradEditsMixin:
         if job is not None:
             self._check_writable(record, [job], "a write to p.grad")
             self._note_edit(record, job)
-
-    def grad_written(self, p: torch.Tensor) -> None:
-        """After a write (the values are in the job's host gradient)."""
-        return None
 
     def _note_edit(self, record: StepRecord, job: Job) -> None:
         if job.speculative and job.grad_before is None:  # what the update used: finish

@@ -12,17 +12,19 @@ comes to ``__torch_dispatch__`` here (``__torch_function__`` is disabled), which
 - answers a read from the values the step holds (its ``Source``): on the CPU the host
   gradient itself, on a GPU a device copy made for the operation, or the kept device
   gradient with ``release_grads=False``; the operation itself runs as torch runs it, so the
-  result has sync mode's bits;
+  result has sync mode's bits (a norm of a GPU gradient is taken on its host copy instead,
+  as the routed clip takes it: its last bit may differ from the GPU's);
 - lets a write (any argument the operator's schema marks as written: in place, ``out=``,
   ``_foreach_*_``, c10d collectives) reach the step only through ``Source.open_write``, which
-  asks the pipeline first (pipeline/hooks.py ``allow_grad_write``: it may refuse in one line
+  asks the pipeline first (pipeline/grad_edits.py ``allow_grad_write``: it may refuse in one line
   before anything changed) and ``Source.close_write``, which hands the written values back;
 - returns, for a view operation (``view``, ``detach``, ``.data``, indexing, ``split``), a
   GradView of that view, so writes through it are seen too.
 
-Anything that needs real storage (``data_ptr()``, ``numpy()``) raises, loudly, as it would for
-any storage-less tensor. After ``step()`` the views a step made are retired: a reference kept
-past the step raises on use instead of showing the next step's buffers.
+What reads memory rather than calling an operator (``numpy()``, ``tolist()``, ``print``,
+``torch.save``) gets the values; what needs the storage itself (``data_ptr()``) raises,
+loudly, as for any storage-less tensor. After ``step()`` the views a step made are retired:
+a reference kept past the step raises on use instead of showing the next step's buffers.
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ class Source(abc.ABC):
 class StepSource(Source):
     """The gradient a step holds for ``p``: its flat host copy ``host`` (landed once every
     ticket has) and, with ``release_grads=False``, the device gradient ``kept`` as well.
-    ``owner`` (the pipeline, weakly) is asked before any write and told after it. One per
-    parameter, armed by each step's hook and disarmed when the step ends."""
+    ``owner`` (the pipeline, weakly) is asked before any write. One per parameter, armed by
+    each step's hook and disarmed when the step ends."""
 
     __slots__ = ("_owner", "p", "host", "kept", "tickets", "shadow_grad")
 
@@ -135,7 +137,6 @@ class StepSource(Source):
     def close_write(self, written: torch.Tensor) -> None:
         if written.data_ptr() != self.host.data_ptr():  # a device tensor: back to the host
             self.host.copy_(written.reshape(-1))
-        self.owner.grad_written(self.p)
 
 
 class KeptSource(Source):

@@ -289,7 +289,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if name in _METADATA_WRITES:
         raise RuntimeError(f"adambridge: p.grad.{name}() changes the gradient tensor's shape in "
                            f"place, which async mode cannot follow once a hook has taken the "
-                           f"gradient; make a new tensor instead (p.grad = p.grad.{name[:-1]}(...))")
+                           f"gradient; make a new tensor instead "
+                           f"(p.grad = p.grad.{name[:-1]}(...))")
     if func.is_view and isinstance(args[0], GradView):
         return _derived(func, args, kwargs)
     written = _written_views(func, args, kwargs)

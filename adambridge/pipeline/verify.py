@@ -1,4 +1,4 @@
-"""``ADAMBRIDGE_VERIFY_ASYNC=N``: the first N steps of async mode checked against sync mode, bit for bit.
+"""``ADAMBRIDGE_VERIFY_ASYNC=N``: the first N async steps checked against sync mode, bit for bit.
 
 For a user who doubts async mode on their own loop (a framework, callbacks that touch
 gradients, a custom clip): set the variable (or ``attach_hooks(model, verify_steps=N)``) and
@@ -115,9 +115,10 @@ class Verifier:
         else:
             cause = "the update itself differs from sync mode's: an adambridge bug, please " \
                     "report this line"
+        ours_at, sync_at = float(ours.view(-1)[where]), float(sync.view(-1)[where])
         return (f"adambridge ({ENV}): step {self.step}, parameter {job.index}: async mode's "
-                f"{key} differs from sync mode's at element {where} ({float(ours.view(-1)[where])!r} "
-                f"against {float(sync.view(-1)[where])!r}); most likely cause: {cause}")
+                f"{key} differs from sync mode's at element {where} ({ours_at!r} against "
+                f"{sync_at!r}); most likely cause: {cause}")
 
 
 def _sync_twin(opt: Any, job: Job, grad: torch.Tensor, backend: str) -> tuple:

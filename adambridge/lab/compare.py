@@ -97,6 +97,9 @@ def compare_section(a: Mapping, b: Mapping) -> dict:
              for c in s.get("columns", []) if c not in other.get("columns", [])]
     if a.get("status") != b.get("status"):
         notes.insert(0, f"status {a.get('status')} in A, {b.get('status')} in B")
+    if not columns:
+        return dict(name=a["name"], title=a.get("title", a["name"]), columns=[], rows=[],
+                    notes=notes + ["no column in common"])
     a_rows = [_aligned(columns, a["columns"], r) for r in a.get("rows", [])]
     b_rows = [_aligned(columns, b["columns"], r) for r in b.get("rows", [])]
     numeric = _numeric_columns(columns, a_rows, b_rows)

@@ -127,3 +127,12 @@ def test_compare_reports_gives_the_setup_that_differs_and_every_shared_section()
     assert diff["notes"] == ["section 'demo' only in A", "section 'plan' only in B",
                              "section 'step' has no table in A"]
     assert "B - A" in diff["note"]
+
+
+def test_tables_without_a_column_in_common_are_not_compared():
+    a = dict(name="t", title="T", columns=["x", "ms"], rows=[["a", "1.0"]])
+    b = dict(a, columns=["y", "s"], rows=[["a", "2.0"]])
+    assert compare.compare_section(a, b) == dict(
+        name="t", title="T", columns=[], rows=[],
+        notes=["column 'x' only in A", "column 'ms' only in A", "column 'y' only in B",
+               "column 's' only in B", "no column in common"])

@@ -110,9 +110,16 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return int(demo.main(list(argv)) or 0)
 
 
+def invoked_as() -> str:
+    """This command as the user typed it: the `adambridge` console script, else python -m."""
+    # NOTE: pip's console scripts run with sys.argv[0] the script's path (.exe on Windows);
+    # python -m adambridge runs with it adambridge/__main__.py.
+    return "adambridge" if Path(sys.argv[0]).stem == "adambridge" else "python -m adambridge"
+
+
 def cmd_lab(argv: Sequence[str]) -> int:
     from .lab import app
-    return app.main(list(argv))
+    return app.main(list(argv), prog=f"{invoked_as()} lab")
 
 
 def cmd_plan(argv: Sequence[str]) -> int:
@@ -132,7 +139,7 @@ COMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m adambridge",
+    parser = argparse.ArgumentParser(prog=invoked_as(),
                                      description="adambridge: host-RAM AdamW with fused SIMD kernels.")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (_, summary) in COMMANDS.items():

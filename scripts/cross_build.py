@@ -7,11 +7,14 @@ that system (darwin). The kernel is planned and built by build.make_plan and
 build.compile_into exactly as there (per-ISA units of that architecture, the bf16 probe, the
 AB_NO_* defines, that system's link flags), with the compiler ``python -m ziglang cc -target
 ZIG_TARGET``. With TORCH_ROOT (the torch folder of that system's wheel) the metadata library
-is built too, by torch_build.compile_into, against that wheel's headers and libraries. Any
-compiler or linker output (a warning) is a failure. Used by scripts/cross_check.sh.
+is built too, by torch_build.compile_into, against that wheel's headers and libraries, and
+on macOS its imports are read back: every torch symbol must be bound to one of the wheel's
+libraries (the link found it there), only Python's C API left to load time. Any compiler or
+linker output (a warning) is a failure. Used by scripts/cross_check.sh.
 """
 from __future__ import annotations
 
+import struct
 import sys
 from pathlib import Path
 
@@ -19,6 +22,55 @@ from adambridge._native import build, torch_build
 
 ARCH = {"aarch64": "aarch64", "x86_64": "x86_64"}
 SUFFIX = {"darwin": ".dylib", "win32": ".dll"}
+# Mach-O (https://github.com/apple-oss-distributions/xnu, EXTERNAL_HEADERS/mach-o/loader.h,
+# nlist.h): the load commands that name a dylib, the symbol table's, and the library ordinals
+# of an undefined symbol that -undefined dynamic_lookup leaves to load time (ld64 writes
+# DYNAMIC_LOOKUP_ORDINAL, zig's linker 0).
+MH_MAGIC_64, LC_SYMTAB, LOOKED_UP = 0xFEEDFACF, 0x2, {0x0, 0xFE}
+LC_DYLIBS = {0xC, 0x18 | 0x80000000, 0x1F | 0x80000000, 0x20, 0x23 | 0x80000000}
+TORCH_LIBS = {"libc10.dylib", "libtorch_cpu.dylib"}
+
+
+def macho_imports(path: Path) -> dict:
+    """{undefined symbol: the dylib it is bound to, or None when looked up at load time}."""
+    data = path.read_bytes()
+    magic, ncmds = struct.unpack_from("<I", data)[0], struct.unpack_from("<I", data, 16)[0]
+    if magic != MH_MAGIC_64:
+        raise ValueError(f"{path} is not a 64-bit little-endian Mach-O file")
+    at, dylibs, symtab = 32, [], None
+    for _ in range(ncmds):
+        cmd, size = struct.unpack_from("<II", data, at)
+        if cmd in LC_DYLIBS:
+            name_at = struct.unpack_from("<I", data, at + 8)[0]
+            dylibs.append(data[at + name_at:at + size].split(b"\0", 1)[0].decode())
+        elif cmd == LC_SYMTAB:
+            symtab = struct.unpack_from("<III", data, at + 8)
+        at += size
+    symoff, nsyms, stroff = symtab
+    imports = {}
+    for i in range(nsyms):
+        strx, kind, _, desc, _ = struct.unpack_from("<IBBHQ", data, symoff + 16 * i)
+        if kind & 0x0E == 0 and kind & 0x01:  # N_UNDF and N_EXT: an import
+            name = data[stroff + strx:].split(b"\0", 1)[0].decode()
+            ordinal = desc >> 8
+            imports[name] = (None if ordinal in LOOKED_UP else
+                             Path(dylibs[ordinal - 1]).name if 0 < ordinal <= len(dylibs) else "")
+    return imports
+
+
+def check_torch_imports(lib: Path) -> str:
+    """What the metadata library binds where; ValueError when a torch symbol was not found
+    in the wheel's libraries (left to load time, it would fail only on a Mac)."""
+    imports = macho_imports(lib)
+    loose = sorted(n for n, where in imports.items() if where is None and not n.startswith(("_Py", "__Py")))
+    bound = {where for where in imports.values() if where}
+    if loose or not TORCH_LIBS <= bound:
+        raise ValueError(f"{lib.name}: not linked against torch's libraries: left to load time "
+                         f"{', '.join(loose[:5]) or 'nothing'}; bound to {', '.join(sorted(bound))}")
+    python = sum(where is None for where in imports.values())
+    torch_bound = sum(where in TORCH_LIBS for where in imports.values())
+    return (f"{torch_bound} torch symbols bound to {', '.join(sorted(TORCH_LIBS))}; "
+            f"{python} of Python's C API left to load time")
 
 
 def zig(target: str, tool: str, cwd: Path) -> build.Compiler:
@@ -63,7 +115,11 @@ def main(target: str, platform: str, out: Path, torch_root: Path | None) -> int:
         plan = build.Plan(torch_build.CSRC_TORCH, cxx, (), (unit,), (), "cross", lib_name,
                           torch_build.compile_into)
         torch_build.compile_into(plan, out)
-        print(f"cross_build: {target} {out / lib_name}")
+        try:
+            linked = check_torch_imports(out / lib_name) if platform == "darwin" else "built"
+        except ValueError as exc:
+            linked, ok = f"FAILED: {exc}", False
+        print(f"cross_build: {target} {out / lib_name} against {torch_root}: {linked}")
         ok = ok and (out / lib_name).is_file()
     for line in said:
         print(f"cross_build: compiler output (a warning): {line}", file=sys.stderr)

@@ -57,7 +57,7 @@ inline bool plain(const c10::TensorImpl* impl) {
 }
 
 inline bool same_layout(const c10::TensorImpl* impl, const int64_t* row) {
-  if (static_cast<int64_t>(impl->dtype().toScalarType()) != row[1]) return false;
+  if (static_cast<int64_t>(c10::typeMetaToScalarType(impl->dtype())) != row[1]) return false;
   c10::IntArrayRef sizes = impl->sizes();
   if (static_cast<int64_t>(sizes.size()) != row[2]) return false;
   for (size_t d = 0; d < sizes.size(); d++)
@@ -123,7 +123,7 @@ AB_EXPORT int64_t ab_read_rows(PyObject* list, int64_t* rows, int grads) {
     if (!impl || !plain(impl) || impl->dim() > AB_MAX_DIM) return false;
     int64_t* row = rows + i * AB_ROW_WORDS;
     row[0] = address(impl);
-    row[1] = static_cast<int64_t>(impl->dtype().toScalarType());
+    row[1] = static_cast<int64_t>(c10::typeMetaToScalarType(impl->dtype()));
     row[2] = impl->dim();
     for (int64_t d = 0; d < impl->dim(); d++) row[3 + d] = impl->sizes()[d];
     return true;

@@ -23,8 +23,18 @@ def _option(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m adambridge lab",
+PROG = "python -m adambridge lab"   # how `adambridge` (cli.py) starts it, by default
+SCRIPT = "adambridge-lab"          # the console script (pyproject.toml)
+
+
+def invoked_as() -> str:
+    """The lab's command as this process was started: the adambridge-lab script, or PROG."""
+    # NOTE: pip's console scripts run with sys.argv[0] the script's path (.exe on Windows).
+    return SCRIPT if Path(sys.argv[0]).stem == SCRIPT else PROG
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog,
                                  description="Serve the adambridge-lab page on 127.0.0.1, or run "
                                              "a preset headless with `lab run`.")
     ap.add_argument("--reports", default=DEFAULT_REPORTS, type=Path,
@@ -34,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _run_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m adambridge lab run",
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"{prog} run",
                                  description="Run a preset without the page; writes "
                                              "REPORTS/<timestamp>-<preset>/.")
     ap.add_argument("--preset", required=True, choices=list(presets.PRESETS),
@@ -82,10 +92,10 @@ def _logged(path: Path) -> Iterator[None]:
             sys.stdout, sys.stderr = saved
 
 
-def run_headless(argv: Sequence[str]) -> int:
+def run_headless(argv: Sequence[str], prog: str = PROG) -> int:
     """`lab run`: the preset's phases in this process; 0 when every phase passed."""
     from .runner import LOG, run_preset
-    ap = _run_parser()
+    ap = _run_parser(prog)
     args = ap.parse_args(list(argv))
     try:
         presets.resolve(args.preset, dict(args.option))
@@ -103,10 +113,10 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve(argv: Sequence[str]) -> int:
+def serve(argv: Sequence[str], prog: str = PROG) -> int:
     """Serve the page until Ctrl-C; a run still going is killed on the way out."""
     from .server import LabServer
-    args = _parser().parse_args(list(argv))
+    args = _parser(prog).parse_args(list(argv))
     try:
         server = LabServer(args.reports, port=args.port)
     except (lab_report.ReportDirError, OSError) as exc:
@@ -129,8 +139,11 @@ def serve(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    """The lab's command line. ``prog`` names the command in help and errors as the user typed
+    it (cli.py passes ``adambridge lab`` or ``python -m adambridge lab``); None: invoked_as()."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or invoked_as()
     if argv[:1] == ["run"]:
-        return run_headless(argv[1:])
-    return serve(argv)
+        return run_headless(argv[1:], prog)
+    return serve(argv, prog)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import parse_qs, urlsplit
 
-from . import presets, report as lab_report
+from . import compare, presets, report as lab_report
 from .runs import RunConflict, RunManager
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -129,6 +129,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(HTTPStatus.OK, dict(reports=lab_report.list_reports(self.server.manager.reports)))
         if len(parts) == 3 and parts[:2] == ["api", "reports"]:
             return self._report(parts[2])
+        if len(parts) == 4 and parts[:2] == ["api", "compare"]:
+            return self._compare(parts[2], parts[3])
         if len(parts) == 3 and parts[0] == "reports":
             return self._report_file(parts[1], parts[2])
         self._error(HTTPStatus.NOT_FOUND, f"no such page: {path}")
@@ -137,15 +139,21 @@ class Handler(BaseHTTPRequestHandler):
         folder = self.server.manager.reports / name
         return folder if _NAME.match(name) and folder.is_dir() else None
 
-    def _report(self, name: str) -> None:
+    def _read(self, name: str) -> dict:
+        """The report named ``name``, its name set; ValueError when there is none."""
         folder = self._folder(name)
+        if folder is None:
+            raise ValueError(f"no report named {name!r}")
+        report = lab_report.read_report(folder)
+        report["name"] = name
+        return report
+
+    def _report(self, name: str) -> None:
         try:
-            if folder is None:
-                raise ValueError(f"no report named {name!r}")
-            report = lab_report.read_report(folder)
+            report = self._read(name)
         except ValueError as exc:
             return self._error(HTTPStatus.NOT_FOUND, str(exc))
-        report["name"] = name
+        folder = self.server.manager.reports / name
         report["files"] = sorted(p.name for p in folder.iterdir()
                                  if p.suffix in REPORT_FILES and _NAME.match(p.name))
         self._json(HTTPStatus.OK, report)
@@ -156,6 +164,14 @@ class Handler(BaseHTTPRequestHandler):
         if folder is None or kind is None or not _NAME.match(file) or not (folder / file).is_file():
             return self._error(HTTPStatus.NOT_FOUND, f"no file {file!r} in report {name!r}")
         self._send(HTTPStatus.OK, (folder / file).read_bytes(), kind)
+
+    def _compare(self, a: str, b: str) -> None:
+        """Report B against report A: the facts that differ and, per section, B - A."""
+        try:
+            reports = self._read(a), self._read(b)
+        except ValueError as exc:
+            return self._error(HTTPStatus.NOT_FOUND, str(exc))
+        self._json(HTTPStatus.OK, compare.compare_reports(*reports))
 
     # ------------------------------------------------------------------ POST
 

@@ -43,7 +43,7 @@ def call(server, path, body=None, token=None, headers=None):
     return status, json.loads(raw) if kind == "application/json" else raw
 
 
-def wait_until_done(server, timeout=120):
+def wait_until_done(server, timeout=300):  # quick: 40 s to 4 minutes on a shared 2-vCPU VM
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = call(server, "/api/status")[1]["run"]
@@ -136,6 +136,37 @@ def test_server_quick_run_finishes_and_its_report_has_tables_and_plots(lab):
     assert status == 200 and b"| 1M | native fp32 moments |" in md
 
 
+MACHINE = dict(machine=dict(cpu="cpu", cpus=2), versions=dict(adambridge="0", torch="t", python="3"),
+               isa=dict(backend="native"), threads=dict(native=2, torch=2), facts={})
+
+
+def _write(root, name, ms, gbs, threads=2):
+    folder = root / name
+    folder.mkdir(parents=True)
+    rows = [["1M", "native fp32 moments", ms, gbs, "2.00x"], ["1M", "all-CPU torch", "2.00", "10.0", "1.00x"]]
+    section = lab_report.Section("kernels", "Host AdamW kernels",
+                                 columns=["size", "variant", "ms", "GB/s", "vs all-CPU torch"], rows=rows)
+    lab_report.write_report(folder, preset="kernels", title="T", sections=[section], status="complete",
+                            machine=dict(MACHINE, threads=dict(native=threads, torch=2)))
+
+
+def test_server_compare_gives_b_minus_a_for_each_numeric_cell(lab):
+    root = lab.manager.reports
+    _write(root, "20260101-000000-kernels", "1.00", "20.0", threads=1)
+    _write(root, "20260102-000000-kernels", "0.80", "25.0")
+    status, diff = call(lab, "/api/compare/20260101-000000-kernels/20260102-000000-kernels")
+    assert status == 200 and (diff["a"], diff["b"]) == ("20260101-000000-kernels", "20260102-000000-kernels")
+    assert diff["facts"] == [["threads", "1 native, 2 torch", "2 native, 2 torch"]]
+    kernels, = diff["sections"]
+    assert kernels["columns"] == ["size", "variant", "ms: B - A", "GB/s: B - A", "vs all-CPU torch: B - A"]
+    assert kernels["rows"] == [["1M", "native fp32 moments", "-0.20 (0.80x)", "+5.0 (1.25x)", "+0.00 (1.00x)"],
+                               ["1M", "all-CPU torch", "+0.00 (1.00x)", "+0.0 (1.00x)", "+0.00 (1.00x)"]]
+    status, reply = call(lab, "/api/compare/20260101-000000-kernels/nope")
+    assert status == 404 and reply["error"] == "no report named 'nope'"
+    assert call(lab, "/api/compare/..%2F..%2Fetc/20260101-000000-kernels")[0] == 404
+    assert call(lab, "/api/compare/20260101-000000-kernels/x", token="wrong")[0] == 403
+
+
 SLOW_TEST = """
     import os, time
     def test_waits():
@@ -161,7 +192,7 @@ def test_server_cancel_kills_the_run_and_its_children_and_keeps_a_report(lab, tm
     monkeypatch.setenv("LAB_MARKER", str(marker))
     status, _ = call(lab, "/api/runs", body={"preset": "tests", "options": {"tests": str(test_file)}})
     assert status == 202
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # pytest starting under load
     while not marker.exists() or not marker.read_text():
         assert time.monotonic() < deadline, call(lab, "/api/status")[1]
         time.sleep(0.1)

@@ -84,9 +84,58 @@ def test_cli_demo_forwards_arguments(monkeypatch):
 def test_cli_lab_forwards_arguments(monkeypatch):
     seen = []
     import adambridge.lab.app as app
-    monkeypatch.setattr(app, "main", lambda argv: seen.append(argv) or 5)
+    monkeypatch.setattr(app, "main", lambda argv, prog: seen.append((argv, prog)) or 5)
     assert cli.main(["lab", "run", "--preset", "quick"]) == 5
-    assert seen == [["run", "--preset", "quick"]]
+    assert seen == [(["run", "--preset", "quick"], "python -m adambridge lab")]
+
+
+def _usage(capsys, run) -> str:
+    """What a --help or a usage error printed (both exit through argparse's SystemExit)."""
+    with pytest.raises(SystemExit):
+        run()
+    captured = capsys.readouterr()
+    return captured.out + captured.err
+
+
+# sys.argv[0] as each entry point has it: pip's console scripts (Linux, and Windows' .exe
+# launcher), and python -m adambridge (its __main__.py).
+SCRIPT_DIR = Path(sys.executable).parent
+
+
+@pytest.mark.parametrize("argv0, argv, usage", [
+    (str(SCRIPT_DIR / "adambridge-lab"), ["--help"], "usage: adambridge-lab [-h]"),
+    (str(SCRIPT_DIR / "adambridge-lab"), ["run", "--help"], "usage: adambridge-lab run [-h]"),
+    (str(SCRIPT_DIR / "adambridge-lab"), ["run"],
+     "adambridge-lab run: error: the following arguments are required: --preset"),
+    (str(SCRIPT_DIR / "adambridge-lab.exe"), ["--help"], "usage: adambridge-lab [-h]"),
+    (str(ROOT / "adambridge" / "__main__.py"), ["--help"], "usage: python -m adambridge lab [-h]"),
+], ids=["script", "script run", "script run error", "windows script", "python -m"])
+def test_lab_app_names_the_command_as_invoked(monkeypatch, capsys, argv0, argv, usage):
+    import adambridge.lab.app as app
+    monkeypatch.setattr(sys, "argv", [argv0, *argv])
+    said = _usage(capsys, app.main)
+    assert usage in said and "python -m adambridge lab" not in said.replace(usage, ""), said
+
+
+@pytest.mark.parametrize("argv0, usage", [
+    (str(SCRIPT_DIR / "adambridge"), "usage: adambridge lab run [-h]"),
+    (str(ROOT / "adambridge" / "__main__.py"), "usage: python -m adambridge lab run [-h]"),
+], ids=["adambridge script", "python -m adambridge"])
+def test_cli_lab_names_the_command_as_invoked(monkeypatch, capsys, argv0, usage):
+    monkeypatch.setattr(sys, "argv", [argv0, "lab", "run", "--help"])
+    assert usage in _usage(capsys, cli.main)
+
+
+def test_installed_lab_script_help_names_itself():
+    script = SCRIPT_DIR / ("adambridge-lab.exe" if os.name == "nt" else "adambridge-lab")
+    if not script.exists():
+        pytest.skip(f"the adambridge-lab script is not installed in {SCRIPT_DIR} (pip install -e .)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: adambridge-lab [-h]"), done
+    done = subprocess.run([sys.executable, "-m", "adambridge", "lab", "--help"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m adambridge lab [-h]"), done
 
 
 @pytest.mark.parametrize("argv, code", [([], 2), (["nope"], 2)], ids=["no command", "unknown command"])

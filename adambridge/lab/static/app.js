@@ -142,12 +142,19 @@ async function loadReports() {
   $("compare").disabled = true;
 }
 
+// One report, or two: [A, B] with A the earlier, their difference above them side by side.
 async function showReports(names) {
   const view = $("report-view");
   try {
     const reports = await Promise.all(names.map((n) => api(`api/reports/${encodeURIComponent(n)}`)));
     const panels = reports.map(renderReport);
-    view.replaceChildren(names.length > 1 ? el("div", { class: "compare" }, ...panels) : panels[0]);
+    if (names.length === 1) {
+      view.replaceChildren(panels[0]);
+    } else {
+      const diff = await api(`api/compare/${names.map(encodeURIComponent).join("/")}`);
+      panels.forEach((panel, i) => panel.prepend(el("p", { class: "side", text: "AB"[i] })));
+      view.replaceChildren(renderDifference(diff), el("div", { class: "compare" }, ...panels));
+    }
     view.scrollIntoView();
   } catch (err) {
     say(`Could not open the report: ${err.message}`);
@@ -155,11 +162,27 @@ async function showReports(names) {
 }
 
 const NUMBER = /^[+-]?\d[\d,.]*\s*(%|x|MiB|GiB|s)?$/;  // right-aligned, as in report.md
+const DIFFERENCE = /^[+-]\d/;                            // a cell of B - A
 
-function table(columns, rows) {
+function table(columns, rows, numeric = (text) => NUMBER.test(text)) {
   return el("table", {}, el("thead", {}, el("tr", {}, ...columns.map((c) => el("th", { text: c })))),
     el("tbody", {}, ...rows.map((row) => el("tr", {}, ...row.map((c) =>
-      el("td", { text: String(c), class: NUMBER.test(String(c)) ? "num" : "" }))))));
+      el("td", { text: String(c), class: numeric(String(c)) ? "num" : "" }))))));
+}
+
+// The server's comparison (adambridge/lab/compare.py): what differs in the setup, then each
+// section both reports have as a table of B - A.
+function renderDifference(diff) {
+  const box = el("div", { class: "difference" },
+    el("h2", { text: `B - A: ${diff.b} against ${diff.a}` }), el("p", { text: diff.note }));
+  box.append(diff.facts.length ? table(["setup", "A", "B"], diff.facts)
+    : el("p", { text: "Same CPU, backend, threads, versions and options." }));
+  for (const note of diff.notes) box.append(el("p", { class: "diff-note", text: note }));
+  for (const s of diff.sections) {
+    box.append(el("h3", { text: s.title }), table(s.columns, s.rows, (text) => DIFFERENCE.test(text)));
+    for (const note of s.notes) box.append(el("p", { class: "diff-note", text: note }));
+  }
+  return box;
 }
 
 function fileUrl(name, file) {
@@ -193,7 +216,8 @@ function renderReport(report) {
 }
 
 function compareTicked() {
-  const names = [...document.querySelectorAll(".pick:checked")].map((t) => t.dataset.name);
+  // A is the earlier: a report's name starts with its date and time, so names sort by them.
+  const names = [...document.querySelectorAll(".pick:checked")].map((t) => t.dataset.name).sort();
   if (names.length === 2) showReports(names);
 }
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import pytest
 import torch
 from torch import nn
 
 from adambridge import AdamBridge
-from adambridge.pipeline import worker
+from adambridge.pipeline import hooks as hooks_module, worker
 from conftest import NEEDS_PROC
 
 
@@ -300,3 +301,61 @@ def test_fault_ctrl_c_in_the_first_hook_of_a_backward_fails_the_step(monkeypatch
     model(x).backward()
     opt.step()  # the next step works again
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2] * 8
+
+
+def _interrupt_at(call: int):
+    """A trace function raising KeyboardInterrupt as the ``call``-th call of the pipeline's own
+    code starts (the autograd thread is this one on the CPU): Ctrl-C landing there. Python
+    checks for a signal as a function starts (and after calls, and in loops), so this is
+    where a real one lands; a line event in the middle of a ``with`` statement's exit is not
+    (a tracer can raise there and leak the lock, a signal cannot)."""
+    seen = [0]
+    root = os.path.dirname(hooks_module.__file__)
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen[0] += 1
+            if seen[0] == call:
+                raise KeyboardInterrupt
+        return None
+    return trace, seen
+
+
+def test_fault_ctrl_c_at_every_call_of_a_backward_never_leaves_a_silent_partial_step():
+    # The fault probe of the async issue's item 10, made exhaustive: a KeyboardInterrupt as
+    # each function the pipeline runs during one backward starts. Either the step fails
+    # (naming what it had updated) or every parameter took it; a step after zero_grad() works.
+    import sys
+    line, probed = 1, 0
+    while True:
+        model = Net()
+        opt = _opt(model)
+        opt.attach_hooks(model)
+        x = torch.randn(2, 16)
+        model(x).backward()
+        opt.step()  # past the held first step
+        opt.zero_grad()
+        trace, seen = _interrupt_at(line)
+        sys.settrace(trace)
+        try:
+            model(x).backward()
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        if not interrupted:
+            break  # past the last call of the pipeline's part of a backward
+        try:
+            opt.step()
+            steps = {int(opt.state[p]["step"]) for p in model.parameters()}
+            assert steps == {2}, f"line {line}: a silent partial step {steps}"
+        except RuntimeError as exc:
+            assert "did not finish" in str(exc), f"line {line}: {exc}"
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()  # the next step works again, whatever the interrupted one left
+        probed += 1
+        line += 1
+        opt.detach_hooks()
+    assert probed > 20  # (each hook's calls, in turn)

@@ -246,3 +246,20 @@ def test_the_peers_rows_on_the_tiny_preset(tmp_path):
     if demo_peers.installed("bitsandbytes"):
         # it runs unpaged here, and its row says so
         assert any("not supported on CPU" in w for w in runs["bnb-paged-adamw8bit"]["warnings"])
+
+
+def test_kernel_benchmark_sets_deepspeeds_rows_beside_ours(capsys):
+    if not demo_peers.installed("deepspeed"):
+        pytest.skip(f"needs deepspeed ({demo_peers.INSTALL})")
+    from adambridge.lab import bench_phases
+    bk = bench_phases.load_script("bench_kernels")
+    with bench_phases.thread_counts_kept():  # the script sets them, as a script may
+        bk.main(["--numel", "64K", "--repeats", "3", "--threads", "1", "--no-torch-backend"])
+    out = capsys.readouterr().out
+    assert "DeepSpeed CPU Adam (fp32 update) " in out and "DeepSpeed CPU Adam (bf16 states) " in out
+    beside = out[out.index("beside DeepSpeed"):].splitlines()[1:]
+    # the bytes moved and held per parameter, counted the same way for both
+    assert beside[0].endswith("moved 28 vs 28; held 12.00 vs 12.00")
+    assert beside[1].endswith("moved 14 vs 20; held 6.00 vs 8.00")
+    assert beside[2].endswith("moved 14 vs 16; held 6.00 vs 6.06")
+    assert all(": no ratio (" in line or ("x; moved" in line) for line in beside)

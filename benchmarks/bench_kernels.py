@@ -170,7 +170,8 @@ def report(numel: int, threads: int, medians: dict, bytes_per: dict, verdict: tr
         if name.startswith("native "):
             precision = name.split()[1]
             own = f"{medians[f'floor {precision} (same bytes)'] / seconds:12.2f}x"
-        print(f"{name:36s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x {own}")
+        row = f"{name:36s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x {own}"
+        print(row.rstrip())
     print("\n'of own floor': the floor's time / the kernel's time (1.00 = at the memory floor)")
 
 

@@ -190,7 +190,7 @@ LEGEND = [
     "so the verdict measures the optimizer, not the weights' dtype",
     "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
     "whose bf16 value moved",
-    "ms/step: median time of a training step (forward, backward, optimizer step) after the first "
+    "ms/step: median time of a training step (forward, backward, optimizer step) after up to three "
     "warm-up steps; (in brackets): rejected by the benchmarks' trust rule (its steps spread more "
     f"than {SPREAD_LIMIT:.0%} of their median, or other work competed for the CPUs), not a speed "
     "figure and left out of every ratio",

@@ -160,6 +160,9 @@ def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar, 
 def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
     """Fine-tune the shared initial weights with one configuration; returns its results."""
     started = time.perf_counter()
+    # NOTE: an optimizer that draws from torch's generator (torchao's stochastic rounding)
+    # draws the same numbers in this process or a fresh one, so a run repeats exactly.
+    torch.manual_seed(setup.seed)
     probe = MemoryProbe(setup.device)
     probe.start()
     model = build_model(setup, config.weights)

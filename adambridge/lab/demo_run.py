@@ -18,6 +18,7 @@ from . import demo_model as dm
 from . import demo_peers, trust
 from .demo_memory import MemoryProbe
 
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """Model size, batch shape and schedule of one demo size."""

@@ -17,7 +17,7 @@ import argparse
 import platform
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -25,6 +25,7 @@ from adambridge.update import codecs, state as host_state
 from adambridge._native import loader
 from adambridge.update.functional import Hyper, UpdateItem, adamw_update
 from adambridge.lab import trust
+from adambridge.lab.demo_peers import held_bytes, held_tensors
 from adambridge.lab.trust import medians, time_samples
 
 # Bytes per parameter each variant must move (read + write).
@@ -104,24 +105,40 @@ class FusedTorchAlternative:
 
 
 class DeepSpeedAlternative:
-    """DeepSpeed's CPU Adam on the same fp32 update (fp32 master, fp32 gradient)."""
+    """DeepSpeed's CPU Adam on the same update, with its states in the master's dtype (as its
+    ZeRO-Offload keeps them): fp32 states on an fp32 master with an fp32 gradient, or bf16 states
+    on a bf16 master with a bf16 gradient. It writes no low-precision copy: its master is it."""
 
-    def __init__(self, buffers: Buffers):
+    def __init__(self, buffers: Buffers, states: torch.dtype):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        self.master = torch.nn.Parameter(buffers.master.clone())
-        self.master.grad = buffers.grad.float()
-        self.opt = DeepSpeedCPUAdam([self.master], lr=1e-4, adamw_mode=True)
+        self.master = torch.nn.Parameter(buffers.master.to(states, copy=True))
+        self.master.grad = buffers.grad.to(states, copy=True)
+        self.opt = DeepSpeedCPUAdam([self.master], lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
+                                    weight_decay=0.01, adamw_mode=True,
+                                    fp32_optimizer_states=states == torch.float32)
 
     def __call__(self) -> None:
         self.opt.step()
 
+    def held_bytes(self) -> int:
+        return held_bytes(held_tensors(self.opt) + [self.master])
 
-def deepspeed_variant(buffers: Buffers) -> Optional[Callable[[], None]]:
+
+DEEPSPEED = {torch.float32: ("DeepSpeed CPU Adam (fp32 update)", 4 + 4 + 4 + 16),  # p r/w, g, m v r/w
+             torch.bfloat16: ("DeepSpeed CPU Adam (bf16 states)", 2 + 2 + 2 + 8)}
+
+
+def deepspeed_variants(buffers: Buffers) -> dict:
+    """DeepSpeed's fp32 and bf16-state updates, by row name; none where it cannot run."""
     try:
-        return DeepSpeedAlternative(buffers)
+        return {DEEPSPEED[dtype][0]: DeepSpeedAlternative(buffers, dtype) for dtype in DEEPSPEED}
     except Exception as exc:  # not installed, or its JIT build failed: report, don't fail
         print(f"DeepSpeed CPU Adam: not measured ({type(exc).__name__}: {str(exc)[:120]})")
-        return None
+        return {}
+
+
+def _tensors(state: dict) -> list:
+    return [t for t in state.values() if torch.is_tensor(t)]
 
 
 def native_variant(buffers: Buffers, precision: str) -> Callable[[], None]:
@@ -153,11 +170,33 @@ def report(numel: int, threads: int, medians: dict, bytes_per: dict, verdict: tr
         if name.startswith("native "):
             precision = name.split()[1]
             own = f"{medians[f'floor {precision} (same bytes)'] / seconds:12.2f}x"
-        print(f"{name:36s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x {own}")
+        row = f"{name:36s} {seconds * 1e3:9.2f} {gbs:7.1f} {alternative / seconds:10.2f}x {own}"
+        print(row.rstrip())
     print("\n'of own floor': the floor's time / the kernel's time (1.00 = at the memory floor)")
-    ds = medians.get("DeepSpeed CPU Adam (fp32 update)")
-    if ds is not None:
-        print(f"DeepSpeed CPU Adam / native fp32: {ds / medians['native fp32 moments']:.2f}x")
+
+
+# Which of our rows each DeepSpeed row is set beside: the same master, or the same bytes held.
+PAIRS = [(DEEPSPEED[torch.float32][0], "native fp32 moments"),
+         (DEEPSPEED[torch.bfloat16][0], "native bf16 moments"),
+         (DEEPSPEED[torch.bfloat16][0], "native fp8 moments")]
+
+
+def beside_deepspeed(medians: dict, bytes_per: dict, verdict: trust.Trust, held: dict,
+                     numel: int) -> None:
+    """DeepSpeed's time over ours, with the bytes each moves and holds per parameter counted
+    the same way; a pair with a row whose repeats spread past the trust limit gets no ratio."""
+    pairs = [(ds, ours) for ds, ours in PAIRS if ds in medians and ours in medians]
+    if not pairs:
+        return
+    spread, limit = verdict.figures["spread"], verdict.figures["spread_limit"]
+    print("\nbeside DeepSpeed (its time / ours; B/param moved, and held: master + moments):")
+    for ds, ours in pairs:
+        wide = [n for n in (ds, ours) if spread.get(n, 0) > limit]
+        ratio = (f"{medians[ds] / medians[ours]:.2f}x" if not wide else
+                 f"no ratio ({', '.join(f'{n} spread {spread[n]:.0%}' for n in wide)})")
+        kept = " ".join(f"{held[n] / numel:.2f}" if n in held else "?" for n in (ds, ours))
+        print(f"  {ds} / {ours}: {ratio}; moved {bytes_per[ds]} vs {bytes_per[ours]}; "
+              f"held {kept.replace(' ', ' vs ')}")
 
 
 ALTERNATIVE = "all-CPU torch AdamW(fused) + casts"
@@ -193,10 +232,9 @@ def main(argv=None) -> None:
         bytes_per[f"native {precision} moments"] = BYTES[precision]
     variants[ALTERNATIVE] = FusedTorchAlternative(buffers)
     bytes_per[ALTERNATIVE] = ALTERNATIVE_BYTES
-    ds = deepspeed_variant(buffers)
-    if ds is not None:
-        variants["DeepSpeed CPU Adam (fp32 update)"] = ds
-        bytes_per["DeepSpeed CPU Adam (fp32 update)"] = 4 + 4 + 4 + 16  # p r/w, fp32 g, m and v r/w
+    deepspeed = deepspeed_variants(buffers)
+    variants.update(deepspeed)
+    bytes_per.update({name: moved for name, moved in DEEPSPEED.values() if name in deepspeed})
     monitor = trust.LoadMonitor(threads)
     samples = time_samples(variants, args.repeats, monitor)
     if not args.no_torch_backend:
@@ -204,7 +242,12 @@ def main(argv=None) -> None:
         samples["torch backend fp32 moments"] = time_samples(
             {"t": lambda: adamw_update(torch_items, "torch")}, 2, monitor)["t"]
         bytes_per["torch backend fp32 moments"] = BYTES["fp32"]
-    report(numel, threads, medians(samples), bytes_per, trust.judge(samples, monitor))
+    verdict = trust.judge(samples, monitor)
+    # NOTE: after the timed runs: DeepSpeed creates its moments at its first step.
+    held = {f"native {p} moments": held_bytes(_tensors(buffers.moments[p])) for p in precisions}
+    held.update({name: ds.held_bytes() for name, ds in deepspeed.items()})
+    report(numel, threads, medians(samples), bytes_per, verdict)
+    beside_deepspeed(medians(samples), bytes_per, verdict, held, numel)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ loss is measured on the whole validation split.
 
 Configurations: all-device AdamW (the reference: fp32 weights, bf16 autocast), AdamBridge
 with fp32/bf16/fp8 moments (bf16 weights), BF16-only AdamW (bf16 weights, no fp32 master),
-and whichever peers import: torchao's CPUOffloadOptimizer (fp32 and bf16 weights),
-bitsandbytes AdamW8bit (fp32 weights) and DeepSpeed's CPU Adam (an fp32 host master).
-Writes an adambridge-lab report (report.json, report.md) into --out; peers that do not
-import get a "not installed" row.
+and whichever peers import (the demo's list, adambridge/lab/demo_peers.py): bitsandbytes
+AdamW8bit and PagedAdamW8bit, DeepSpeed's CPU Adam with an fp32 host master and fp32 states
+or a bf16 master and bf16 states, torchao's AdamW8bit, AdamW4bit, AdamWFp8 and
+CPUOffloadOptimizer. Writes an adambridge-lab report (report.json, report.md) into --out;
+peers that do not import get a "not installed" row, and one that raises a row with its error.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -37,10 +37,13 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import adambridge
-from adambridge.lab import report as lab_report
-from adambridge.lab.demo import lr_lambda
+from adambridge.lab import demo_peers, report as lab_report, trust
+from adambridge.lab.demo_fresh import one_line
 from adambridge.lab.demo_memory import MemoryProbe
 from adambridge.lab.demo_model import bf16_changed_fraction, split_tokens
+from adambridge.lab.demo_peers import HostMasterOptimizer  # noqa: F401  (tests use it from here)
+from adambridge.lab.demo_report import step_ms_cell, why_no_result
+from adambridge.lab.demo_run import lr_lambda, step_timing
 
 GIB = 1 << 30
 PRESETS = {
@@ -55,28 +58,6 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 # ---------------------------------------------------------------------------- configurations
 
-class HostMasterOptimizer:
-    """Runs a CPU optimizer on fp32 host copies of device parameters (ZeRO-Offload's split)."""
-
-    def __init__(self, params, make: Callable[[list], Any]) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [p.detach().to("cpu", torch.float32).requires_grad_() for p in self.params]
-        self.inner = make(self.masters)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
-        self.inner.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)  # rounds to nearest into the device dtype
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-
 def _adamw(params, hyper, device):
     return torch.optim.AdamW(params, fused=device.type == "cuda", **hyper)
 
@@ -85,21 +66,6 @@ def _adambridge(precision: str):
     def make(params, hyper, device):
         return adambridge.AdamBridge(params, precision=precision, **hyper)
     return make
-
-
-def _torchao_offload(params, hyper, device):
-    from torchao.optim import CPUOffloadOptimizer
-    return CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True, **hyper)
-
-
-def _bnb_adamw8bit(params, hyper, device):
-    import bitsandbytes as bnb
-    return bnb.optim.AdamW8bit(params, **hyper)
-
-
-def _deepspeed_cpu_adam(params, hyper, device):
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-    return HostMasterOptimizer(params, lambda masters: DeepSpeedCPUAdam(masters, **hyper))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,12 +82,7 @@ CONFIGS = {c.name: c for c in [
     Config("adambridge-fp32", "AdamBridge fp32 moments", torch.bfloat16, _adambridge("fp32")),
     Config("adambridge-bf16", "AdamBridge bf16 moments", torch.bfloat16, _adambridge("bf16")),
     Config("adambridge-fp8", "AdamBridge fp8 moments", torch.bfloat16, _adambridge("fp8")),
-    Config("torchao-offload", "torchao CPUOffloadOptimizer", torch.float32, _torchao_offload, "torchao"),
-    Config("torchao-offload-bf16", "torchao CPUOffloadOptimizer, bf16 weights", torch.bfloat16,
-           _torchao_offload, "torchao"),
-    Config("bnb-adamw8bit", "bitsandbytes AdamW8bit", torch.float32, _bnb_adamw8bit, "bitsandbytes"),
-    Config("deepspeed-cpu-adam", "DeepSpeed CPU Adam, fp32 host master", torch.bfloat16,
-           _deepspeed_cpu_adam, "deepspeed"),
+    *(Config(p.name, p.label, p.weights, p.build, p.package) for p in demo_peers.PEERS.values()),
     Config("bf16-only", "BF16-only AdamW", torch.bfloat16, _adamw),
 ]}
 
@@ -217,14 +178,17 @@ def build(config: Config, model, args, device) -> tuple[Any, str, Callable]:
     return opt, mode, autocast
 
 
-def train(model, opt, mode: str, autocast, batches: torch.Tensor, args, device) -> list[float]:
-    """Run the fixed batches with warm-up and cosine decay; returns the step times (s)."""
+def train(model, opt, mode: str, autocast, batches: torch.Tensor, args, device,
+          monitor: trust.LoadMonitor) -> list[float]:
+    """Run the fixed batches with warm-up and cosine decay; returns the step times (s).
+    `monitor` reads the machine's load before each step, outside the timed part."""
     factor = lr_lambda(len(batches), args.warmup)
     times = []
     for step, ids in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = args.lr * factor(step)
         ids = ids.to(device)
+        monitor.sample()
         t0 = time.perf_counter()
         with autocast():
             loss = model(input_ids=ids, labels=ids).loss
@@ -237,35 +201,42 @@ def train(model, opt, mode: str, autocast, batches: torch.Tensor, args, device) 
     return times
 
 
-def host_bytes_per_param(opt: Any, numel: int) -> Optional[float]:
-    if hasattr(opt, "host_state_bytes"):
-        return opt.host_state_bytes() / numel
-    return None
-
-
 def run_worker(args: argparse.Namespace) -> dict:
-    """Fine-tune with one configuration in this (fresh) process; returns its measurements."""
-    config, device = CONFIGS[args.worker], torch.device(args.device)
+    """Fine-tune with one configuration in this (fresh) process; returns its measurements, or
+    the one-line error a peer raised."""
+    config = CONFIGS[args.worker]
+    try:
+        if config.needs is not None:
+            demo_peers.PEERS[config.name].prepared()  # import, build: outside the measurements
+        return measure(config, args)
+    except Exception as exc:  # the configuration's own failure, measured: its row says it
+        return dict(config=config.name, label=config.label, data_seed=args.data_seed,
+                    error=one_line(exc))
+
+
+def measure(config: Config, args: argparse.Namespace) -> dict:
+    """Every measurement of one configuration's run, from its own start loss to its final one."""
+    device = torch.device(args.device)
     data = torch.load(Path(args.out) / "data.pt")
     probe = MemoryProbe(device)
     probe.start()
     model = load_model(args).to(device, config.weights)
     opt, mode, autocast = build(config, model, args, device)
-    start_loss = evaluate(model, data["val"], args, device, autocast) if args.eval_start else None
+    start_loss = evaluate(model, data["val"], args, device, autocast)
     batches = train_batches(data["train"], args, args.data_seed)
-    times = train(model, opt, mode, autocast, batches, args, device)
+    monitor = trust.LoadMonitor(torch.get_num_threads())
+    times = train(model, opt, mode, autocast, batches, args, device, monitor)
     memory = probe.stop()
     final_loss = evaluate(model, data["val"], args, device, autocast)
     numel = sum(p.numel() for p in model.parameters())
     initial = dict(load_model(args).named_parameters())  # after the memory readings
     changed = bf16_changed_fraction({k: v.detach() for k, v in initial.items()},
                                     dict(model.named_parameters()))
-    timed = times[2:] if len(times) > 4 else times  # the first steps allocate and warm up
     return dict(config=config.name, label=config.label, data_seed=args.data_seed, mode=mode,
                 weights=str(config.weights).replace("torch.", ""), start_val_loss=start_loss,
                 final_val_loss=final_loss, bf16_changed=changed, parameters=numel,
-                ms_per_step=1000 * statistics.median(timed),
-                host_bytes_per_param=host_bytes_per_param(opt, numel),
+                **step_timing(times, monitor),
+                state_bytes_per_param=demo_peers.state_bytes_per_param(opt, numel),
                 backend=opt.backend if isinstance(opt, adambridge.AdamBridge) else None,
                 **memory)
 
@@ -286,11 +257,11 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[Config, int, bool]]:
     return plan
 
 
-def spawn(argv: Sequence[str], config: Config, data_seed: int, first: bool, out: Path) -> dict:
+def spawn(argv: Sequence[str], config: Config, data_seed: int, out: Path) -> dict:
     """Run one configuration in a fresh Python process and read back its result."""
     result = out / f"{config.name}-seed{data_seed}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", config.name,
-           "--data-seed", str(data_seed), "--result", str(result)] + (["--eval-start"] if first else [])
+           "--data-seed", str(data_seed), "--result", str(result)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not result.exists():
         tail = proc.stdout.strip().splitlines()[-3:]
@@ -317,36 +288,38 @@ def section(report: dict) -> lab_report.Section:
              f"peak lr {s['lr']:g}, warm-up {s['warmup']:.0%} then cosine decay; "
              f"validation loss at start {report['start_val_loss']}.")
     columns = ["configuration", "weights", "mode", "val loss", "vs reference", "bf16 changed",
-               "ms/step", "peak GPU GiB", "RSS growth GiB †", "host B/param"]
+               "ms/step", "peak GPU GiB", "RSS growth GiB †", "state B/param"]
     notes = ["vs reference: the reference's loss reduction from its own start minus this "
-             "run's (positive: worse; the final-loss difference where a start loss was not "
-             "measured), so a run that starts from a cast is judged by its optimizer.",
+             "run's (positive: worse), so a run that starts from a cast is judged by its optimizer.",
              f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
              "differences are ties." if band is not None else "No noise runs: ties not called.",
-             "† growth of the process's resident memory beyond the reference's."]
+             "ms/step: median step time after the warm-up steps; (in brackets): rejected by the "
+             f"trust rule (steps spread past {trust.SPREAD_LIMIT:.0%} of their median, or other "
+             "work competed for the CPUs), not a speed figure.",
+             "† growth of the process's resident memory beyond the reference's.",
+             "state B/param: bytes the optimizer holds per parameter, counted from its state "
+             "tensors and host master copies, wherever they live (host or GPU)."]
     return lab_report.Section(name="finetune", title=f"Fine-tuning {s['model']}", setup=setup,
                               columns=columns, rows=[_row(r, ref, band) for r in runs],
                               notes=notes, figures=dict(setup=s, runs=runs, noise_band=band))
 
 
 def _row(r: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
-    if r.get("not_installed"):
-        return [r["label"], f"not installed (pip install {r['not_installed']})"] + [""] * 8
-    if "error" in r:
-        return [r["label"], f"failed: {r['error'][:120]}"] + [""] * 8
+    why = why_no_result(r)
+    if why is not None:
+        return [r["label"], why] + [""] * 8
     delta = "-"
     if ref is not None and r is not ref:
-        # NOTE: judged by each run's own reduction where both start losses were measured: a
-        # bf16 run starts from a cast of the weights, so its start loss differs, and a
-        # final-loss difference would measure that cast, not the optimizer.
-        by_reduction = all(x.get("start_val_loss") is not None for x in (r, ref))
-        delta = (f"{lab_report.loss_delta(r, ref, by_reduction=by_reduction):+.4f} "
-                 f"({lab_report.verdict(r, ref, band, by_reduction=by_reduction)})")
+        # NOTE: judged by each run's own reduction: a bf16 run starts from a cast of the
+        # weights, so its start loss differs, and a final-loss difference would measure that
+        # cast, not the optimizer.
+        delta = (f"{lab_report.loss_delta(r, ref, by_reduction=True):+.4f} "
+                 f"({lab_report.verdict(r, ref, band, by_reduction=True)})")
     gpu = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / GIB:.2f}"
     rss = r["rss_growth_bytes"] - (ref["rss_growth_bytes"] if ref else 0)
-    host = "-" if r["host_bytes_per_param"] is None else f"{r['host_bytes_per_param']:.2f}"
     return [r["label"], r["weights"], r["mode"], f"{r['final_val_loss']:.4f}", delta,
-            f"{r['bf16_changed']:.1%}", f"{r['ms_per_step']:.1f}", gpu, f"{rss / GIB:+.2f}", host]
+            f"{r['bf16_changed']:.1%}", step_ms_cell(r), gpu, f"{rss / GIB:+.2f}",
+            f"{r['state_bytes_per_param']:.2f}"]
 
 
 # ---------------------------------------------------------------------------- command line
@@ -372,7 +345,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--out", help="report folder (default: out/finetune-llm-<time>)")
     for hidden in ("--worker", "--result", "--data-seed"):  # set by the parent for its workers
         ap.add_argument(hidden, help=argparse.SUPPRESS, type=int if hidden == "--data-seed" else str)
-    ap.add_argument("--eval-start", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(list(argv))
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -408,7 +380,7 @@ def main(argv: Sequence[str]) -> int:
     runs = []
     for i, (config, data_seed, noise) in enumerate(plan_runs(args)):
         print(f"[{i + 1}] {config.name} (data order {data_seed}) ...", flush=True)
-        run = spawn(forwarded, config, data_seed, first=i == 0, out=out)
+        run = spawn(forwarded, config, data_seed, out=out)
         run["noise_run"] = noise
         runs.append(run)
     runs += not_installed(args)

@@ -11,198 +11,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import math
-import statistics
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import demo_model as dm
+from . import demo_peers
 from . import demo_report as report_mod
 from . import report as lab_report
-from .demo_memory import MemoryProbe
+from .demo_fresh import run_fresh, save_setup
+from .demo_run import (CONFIGS, PEER_CONFIGS, PRESETS, Config, Preset, Setup,  # noqa: F401
+                       build_model, lr_lambda, run_config, train_steps)
 
 ProgressFn = Optional[Callable[[int, int, str], None]]  # (steps done, steps in all, what runs now)
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Model size, batch shape and schedule of one demo size."""
-    width: int
-    layers: int
-    heads: int
-    ctx: int
-    batch: int
-    steps: int           # fine-tuning steps per configuration
-    pretrain_steps: int  # shared pretraining steps, run once
-    pretrain_lr: float
-    lr: float            # peak fine-tuning learning rate
-    eval_windows: int    # validation sequences
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup: float = 0.1  # fraction of the steps spent warming up, then cosine decay to 0
-
-
-PRESETS = {
-    "tiny": Preset(width=32, layers=1, heads=2, ctx=32, batch=4, steps=12, pretrain_steps=12,
-                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8),
-    "small": Preset(width=96, layers=2, heads=4, ctx=64, batch=16, steps=250, pretrain_steps=300,
-                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64),
-    "gpu": Preset(width=512, layers=8, heads=8, ctx=256, batch=32, steps=600,
-                  pretrain_steps=1500, pretrain_lr=1e-3, lr=3e-5, eval_windows=512),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One optimizer configuration: how the weights are stored and who updates them."""
-    name: str
-    label: str
-    weights: torch.dtype
-    optimizer: str                  # "adamw" (torch.optim.AdamW) or "adambridge"
-    precision: Optional[str] = None  # AdamBridge moment precision
-
-
-CONFIGS = {c.name: c for c in [
-    Config("reference", "AdamW, fp32 weights", torch.float32, "adamw"),
-    Config("adambridge-fp32", "AdamBridge fp32 moments", torch.bfloat16, "adambridge", "fp32"),
-    Config("adambridge-bf16", "AdamBridge bf16 moments", torch.bfloat16, "adambridge", "bf16"),
-    Config("adambridge-fp8", "AdamBridge fp8 moments", torch.bfloat16, "adambridge", "fp8"),
-    Config("bf16-only", "BF16-only AdamW", torch.bfloat16, "adamw"),
-]}
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything the runs share: data, initial weights, device and hyperparameters."""
-    preset: Preset
-    steps: int
-    device: torch.device
-    compute_dtype: torch.dtype
-    train: torch.Tensor
-    windows: torch.Tensor
-    init_state: dict
-    seed: int
-    below_half_ulp: Optional[float] = None  # share of weights where an update of lr rounds away
-    start_dtype: torch.dtype = torch.float32  # what the shared starting weights were rounded to
-
-
-def lr_lambda(steps: int, warmup: float):
-    """Linear warm-up over the first `warmup` fraction of the steps, then cosine decay to 0."""
-    warm = max(1, round(warmup * steps))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
-    return factor
-
-
-def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
-                   seed: int) -> tuple[Any, str, str]:
-    """The optimizer for a configuration, its mode ("sync"/"async") and its backend."""
-    hyper = dict(lr=preset.lr, betas=preset.betas, weight_decay=preset.weight_decay)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), **hyper), "sync", "torch"
-    from ..optimizer import AdamBridge
-    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
-    backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
-    if not hasattr(opt, "attach_hooks"):
-        return opt, "sync", backend
-    try:
-        opt.attach_hooks(model)
-    except Exception as exc:  # async mode unavailable here (e.g. not implemented): use step()
-        print(f"adambridge demo: {config.name}: attach_hooks failed ({exc}); using step()")
-        return opt, "sync", backend
-    return opt, "async", backend
-
-
-def state_bytes_per_param(opt: Any, numel: int) -> float:
-    """Bytes the optimizer holds per parameter (AdamBridge: its host state and its
-    page-locked staging, which cannot be swapped out)."""
-    if hasattr(opt, "host_memory_bytes"):
-        return opt.host_memory_bytes()["total"] / numel
-    nbytes = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    return nbytes / numel
-
-
-def build_model(setup: Setup, weights: torch.dtype) -> dm.TinyGPT:
-    p = setup.preset
-    model = dm.TinyGPT(p.width, p.layers, p.heads, p.ctx)
-    model.load_state_dict(setup.init_state)
-    model = model.to(setup.device, weights)
-    model.compute_dtype = setup.compute_dtype
-    return model
-
-
-def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar,
-                on_eval=None) -> tuple[list[float], list[float]]:
-    """Run the optimizer over the given batches; returns per-step losses and times (s)."""
-    # NOTE: the schedule is written into param_groups directly (what an LR scheduler does):
-    # in async mode there is no opt.step() for torch's schedulers to count.
-    factor = lr_lambda(len(starts), setup.preset.warmup)
-    base_lr = [group["lr"] for group in opt.param_groups]
-    cuda = setup.device.type == "cuda"
-    losses, times = [], []
-    for step, batch_starts in enumerate(starts):
-        seqs = dm.gather(setup.train, batch_starts, setup.preset.ctx).to(setup.device)
-        for group, lr in zip(opt.param_groups, base_lr):
-            group["lr"] = lr * factor(step)
-        t0 = time.perf_counter()
-        loss = dm.lm_loss(model, seqs)
-        loss.backward()
-        opt.step_sync() if mode == "async" else opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        bar.update(1)
-        if on_eval is not None:
-            on_eval(step + 1)
-    return losses, times
-
-
-def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
-    """Fine-tune the shared initial weights with one configuration; returns its results."""
-    started = time.perf_counter()
-    probe = MemoryProbe(setup.device)
-    probe.start()
-    model = build_model(setup, config.weights)
-    opt, mode, backend = make_optimizer(config, model, setup.preset, setup.seed)
-    batch = setup.preset.batch
-    val_curve = [(0, dm.evaluate(model, setup.windows, batch, setup.device))]
-    every = max(1, setup.steps // 10)
-
-    def on_eval(step: int) -> None:
-        if step % every == 0 or step == setup.steps:
-            val_curve.append((step, dm.evaluate(model, setup.windows, batch, setup.device)))
-
-    starts = dm.batch_starts(len(setup.train), setup.preset.ctx, batch, setup.steps, data_seed)
-    losses, times = train_steps(model, opt, mode, setup, starts, bar, on_eval)
-    memory = probe.stop()
-    numel = sum(p.numel() for p in model.parameters())
-    result = dict(
-        config=config.name, label=config.label, data_seed=data_seed, mode=mode, backend=backend,
-        weights=str(config.weights).replace("torch.", ""),
-        start_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
-        val_curve=val_curve, train_curve=losses,
-        bf16_changed=dm.bf16_changed_fraction(setup.init_state, model.state_dict()),
-        ms_per_step=1000 * statistics.median(times),
-        state_bytes_per_param=state_bytes_per_param(opt, numel), **memory,
-        seconds=round(time.perf_counter() - started, 1))
-    _release(opt)
-    return result
-
-
-def _release(opt: Any) -> None:
-    for name in ("detach_hooks", "close"):
-        if callable(getattr(opt, name, None)):
-            getattr(opt, name)()
-            break
 
 
 # ---------------------------------------------------------------------------- the experiment
@@ -253,8 +79,9 @@ def shared_start(state: dict, dtype: torch.dtype) -> dict:
 
 
 def run_all(setup: Setup, configs: list[Config], noise_runs: int,
-            progress: ProgressFn = None) -> list[dict]:
-    """Pretrain once, then fine-tune every configuration (and the reference's noise runs)."""
+            progress: ProgressFn = None, fresh: bool = False) -> list[dict]:
+    """Pretrain once, then fine-tune every configuration (and the reference's noise runs),
+    each in this process or, with `fresh`, each in a fresh one (demo_fresh)."""
     plan = [(c, setup.seed, False) for c in configs]
     if "reference" in [c.name for c in configs]:
         plan += [(CONFIGS["reference"], setup.seed + k, True) for k in range(1, noise_runs + 1)]
@@ -264,16 +91,32 @@ def run_all(setup: Setup, configs: list[Config], noise_runs: int,
         setup.start_dtype = stored_dtype(configs)
         setup.init_state = shared_start(pretrain(setup, bar), setup.start_dtype)
         setup.below_half_ulp = dm.below_half_ulp_fraction(setup.init_state, setup.preset.lr)
-        runs = []
-        for config, data_seed, noise in plan:
-            bar.set_description(config.name + (f" (order {data_seed})" if noise else ""))
-            run = run_config(setup, config, data_seed, bar)
-            if noise:
-                run.update(noise_run=True, label=f"{config.label}, data order {data_seed}")
-            runs.append(run)
+        with tempfile.TemporaryDirectory(prefix="adambridge-demo-") as folder:
+            setup_file = Path(folder) / "setup.pt"
+            if fresh:
+                save_setup(setup, setup_file)
+            runs = []
+            for config, data_seed, noise in plan:
+                bar.set_description(config.name + (f" (order {data_seed})" if noise else ""))
+                run = (run_fresh(setup_file, config, data_seed, setup.steps, bar) if fresh
+                       else run_config(setup, config, data_seed, bar))
+                if noise:
+                    run.update(noise_run=True, label=f"{config.label}, data order {data_seed}")
+                runs.append(run)
     finally:
         bar.close()
     return runs
+
+
+def peer_configs(names: Optional[str]) -> tuple[list[Config], list[dict]]:
+    """The peers to run (--peers), and a row for each of them whose package is not installed."""
+    if names is None:
+        return [], []
+    peers = demo_peers.pick(names)
+    missing = [dict(config=p.name, label=p.label, not_installed=p.package)
+               for p in peers if not demo_peers.installed(p.package)]
+    absent = {row["config"] for row in missing}
+    return [PEER_CONFIGS[p.name] for p in peers if p.name not in absent], missing
 
 
 # ---------------------------------------------------------------------------- command line
@@ -292,10 +135,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--noise-runs", type=int, default=2,
                     help="re-run the reference with this many other data orders (default 2)")
     ap.add_argument("--seed", type=int, default=0, help="weights and data-order seed (default 0)")
+    ap.add_argument("--peers", nargs="?", const="all", metavar="NAMES",
+                    help="also run the peers (all, or a comma-separated subset of: "
+                         f"{', '.join(demo_peers.PEERS)}), every configuration then in a fresh "
+                         f"process; {demo_peers.INSTALL} installs them")
     args = ap.parse_args(list(argv))
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration(s): {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    if args.peers is not None:
+        try:
+            demo_peers.pick(args.peers)
+        except ValueError as exc:
+            ap.error(str(exc))
     for name in ("steps", "pretrain_steps", "noise_runs"):
         value = getattr(args, name)
         if value is not None and value < (1 if name == "steps" else 0):
@@ -350,7 +202,10 @@ def describe(setup: Setup, args: argparse.Namespace, source: str) -> dict:
         pretrain_lr=p.pretrain_lr, weight_decay=p.weight_decay, betas=list(p.betas),
         warmup=p.warmup, schedule="linear warm-up, cosine decay to 0", seed=setup.seed,
         lr_below_half_bf16_ulp=setup.below_half_ulp, start_weights=_start_weights(setup.start_dtype),
-        noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads())
+        noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads(),
+        host=f"{lab_report.cpu_name()}, {os.cpu_count()} CPUs", date=f"{datetime.date.today()}",
+        processes="a fresh process each" if args.peers is not None else "one process for all",
+        peers={p: demo_peers.version(p) for p in demo_peers.PACKAGES if demo_peers.installed(p)})
 
 
 def _start_weights(dtype: torch.dtype) -> str:
@@ -359,21 +214,34 @@ def _start_weights(dtype: torch.dtype) -> str:
     return f"from the same weights: the pretrained ones rounded to {dm.DTYPE_NAMES[dtype]}"
 
 
-def _start_loss(runs: list[dict]) -> float:
-    ref = [r for r in runs if r["config"] == "reference"]
-    return (ref or runs)[0]["start_val_loss"]
+def _start_loss(runs: list[dict]) -> Optional[float]:
+    measured = [r for r in runs if "start_val_loss" in r]
+    ref = [r for r in measured if r["config"] == "reference"]
+    return (ref or measured or [{}])[0].get("start_val_loss")
+
+
+def _load() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def experiment(args: argparse.Namespace, progress: ProgressFn = None) -> dict:
     """Run the whole comparison; returns the report (setup, runs, noise band, table)."""
     device = pick_device(args.device)
     setup, source = prepare(args, pick_preset(args, device), device)
-    configs = [CONFIGS[c] for c in args.configs.split(",")]
+    peers, not_installed = peer_configs(args.peers)
+    configs = [CONFIGS[c] for c in args.configs.split(",")] + peers
     print(f"adambridge demo: {len(configs)} configurations + {args.noise_runs} noise runs "
           f"on {device}; text: {source}")
-    t0 = time.perf_counter()
-    runs = run_all(setup, configs, args.noise_runs, progress)
-    report = dict(setup=describe(setup, args, source), runs=runs,
+    if args.peers is None:
+        print(f"adambridge demo: {demo_peers.skipped_line()}")
+    t0, load_before = time.perf_counter(), _load()
+    runs = run_all(setup, configs, args.noise_runs, progress, fresh=args.peers is not None)
+    runs += not_installed
+    described = dict(describe(setup, args, source), load_average=[load_before, _load()])
+    report = dict(setup=described, runs=runs,
                   noise_band=lab_report.noise_band(runs, "reference"),
                   start_val_loss=_start_loss(runs), wall_seconds=round(time.perf_counter() - t0, 1))
     report["table"] = report_mod.format_table(report)

@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .demo_peers import INSTALL
+from .trust import SPREAD_LIMIT
 from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict, verdicts_line
 
 MIB = 1 << 20
@@ -83,7 +85,34 @@ def _mem(run: dict) -> str:
     return "-"
 
 
+def step_ms_cell(run: dict) -> str:
+    """The median step time; in brackets when the trust rule rejects it (see the legend)."""
+    ms = f"{run['ms_per_step']:.1f}"
+    return ms if run.get("timing_trusted", True) else f"({ms})"
+
+
+def _time_ratio(run: dict, ref: Optional[dict]) -> str:
+    """Step time against the reference's, only where both timings pass the trust rule."""
+    if ref is None or run is ref:
+        return "1.00x" if run is ref and run.get("timing_trusted", True) else "-"
+    if not (run.get("timing_trusted", True) and ref.get("timing_trusted", True)):
+        return "-"
+    return f"{run['ms_per_step'] / ref['ms_per_step']:.2f}x"
+
+
+def why_no_result(run: dict) -> Optional[str]:
+    """Why a run has no figures, in one line (not installed, or the error it raised), or None."""
+    if run.get("not_installed"):
+        return f"not installed ({INSTALL})"
+    if "error" in run:
+        return f"cannot run here: {run['error']}"
+    return None
+
+
 def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
+    why = why_no_result(run)
+    if why is not None:
+        return [run["label"], why]
     loss = run["final_val_loss"]
     delta = gain = "-"
     if ref is not None and run is not ref:
@@ -94,18 +123,23 @@ def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
         if ref_gain > 0:
             gain = f"{(run['start_val_loss'] - loss) / ref_gain:.0%}"
     return [run["label"], run["mode"], f"{loss:.4f}", delta, gain,
-            f"{run['bf16_changed']:.1%}", f"{run['ms_per_step']:.1f}", _mem(run),
+            f"{run['bf16_changed']:.1%}", step_ms_cell(run), _time_ratio(run, ref), _mem(run),
             f"{run['state_bytes_per_param']:.2f}"]
 
 
 def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
-    """The header and one row per run, as the table prints them."""
+    """The header and one row per run, as the table prints them (a run without figures: its
+    label and why, two cells)."""
     runs, band = report["runs"], report["noise_band"]
-    ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
-    mem_head = "peak GPU mem" if report["setup"]["device"].startswith("cuda") else "RSS growth"
+    ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")
+                and why_no_result(r) is None), None)
     head = ["configuration", "mode", "val loss", "vs reference", "gain kept",
-            "bf16 changed", "ms/step", mem_head, "state B/param"]
+            "bf16 changed", "ms/step", "time vs AdamW", _mem_head(report), "state B/param"]
     return head, [_row(r, ref, band) for r in runs]
+
+
+def _mem_head(report: dict) -> str:
+    return "peak GPU mem" if report["setup"]["device"].startswith("cuda") else "RSS growth"
 
 
 def start_line(runs: list) -> str:
@@ -125,7 +159,18 @@ def _setup_lines(report: dict) -> list[str]:
             f"{s['batch']} x {s['ctx']} bytes after {s['pretrain_steps']} shared pretraining steps; "
             f"{start_line(report['runs'])} ({s['start_weights']})",
             f"peak lr {s['lr']:g}: an update that size is below half a bf16 ulp for "
-            f"{s['lr_below_half_bf16_ulp']:.0%} of the weights (rounded away without an fp32 master)"]
+            f"{s['lr_below_half_bf16_ulp']:.0%} of the weights (rounded away without an fp32 master)",
+            _host_line(s)]
+
+
+def _host_line(s: dict) -> str:
+    """Where and when it ran, how loaded the machine was, and which peer versions."""
+    load = s.get("load_average") or [None, None]
+    loads = " -> ".join("?" if x is None else f"{x:g}" for x in load)
+    peers = ", ".join(f"{k} {v}" for k, v in s.get("peers", {}).items()) or "none installed"
+    return (f"host: {s.get('host', '?')}; {s.get('date', '?')}; load average {loads}; torch "
+            f"{s['torch']}, {s['threads']} threads; {s.get('processes', 'one process for all')}; "
+            f"peers: {peers}")
 
 
 def _notes(report: dict) -> list[str]:
@@ -134,22 +179,55 @@ def _notes(report: dict) -> list[str]:
     band_text = (f"noise band {band:.4f} (reference re-run with {runs} other data "
                  f"order{'' if runs == 1 else 's'}): differences within it are ties" if band is not None
                  else "no noise runs: differences are not classified as ties")
-    return [band_text,
-            "vs reference: how much less the configuration reduced the validation loss from its start "
-            "than the reference did (with one start for all, its final loss minus the reference's), "
-            "so the verdict measures the optimizer, not the weights' dtype",
-            "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
-            "whose bf16 value moved; state B/param: optimizer-held bytes per parameter "
-            "(AdamBridge: fp32 master + moments, in host RAM)"]
+    return [band_text] + LEGEND + _timing_notes(report["runs"]) + _peer_notes(report["runs"])
+
+
+LEGEND = [
+    "mode: sync is step() after backward; async is attach_hooks (the update overlaps backward)",
+    "val loss: mean next-byte cross-entropy (nats) over the validation sequences after the last step",
+    "vs reference: how much less the configuration reduced the validation loss from its start "
+    "than the reference did (with one start for all, its final loss minus the reference's), "
+    "so the verdict measures the optimizer, not the weights' dtype",
+    "gain kept: the share of the reference's validation-loss reduction; bf16 changed: weights "
+    "whose bf16 value moved",
+    "ms/step: median time of a training step (forward, backward, optimizer step) after up to three "
+    "warm-up steps; (in brackets): rejected by the benchmarks' trust rule (its steps spread more "
+    f"than {SPREAD_LIMIT:.0%} of their median, or other work competed for the CPUs), not a speed "
+    "figure and left out of every ratio",
+    "time vs AdamW: ms/step over the reference's, only where both pass the trust rule",
+    "RSS growth: the process's peak resident memory during the run over what it held before the "
+    "model was built (weights, gradients, activations, optimizer state, and whatever the "
+    "optimizer's package allocates to run); peak GPU mem: peak CUDA memory over the start",
+    "state B/param: bytes the optimizer holds per parameter, counted from its state tensors "
+    "(each storage once) and its host master copies (AdamBridge, DeepSpeed)",
+]
+
+
+def _timing_notes(runs: list) -> list[str]:
+    timed = [r for r in runs if "ms_per_step" in r]
+    rejected = [r for r in timed if not r.get("timing_trusted", True)]
+    if not rejected:
+        return [f"timings: all {len(timed)} pass the trust rule"] if timed else []
+    worst = max(rejected, key=lambda r: r.get("step_spread") or 0)
+    why = "; ".join(worst.get("timing_reasons", [])) or "rejected"
+    return [f"timings: {len(rejected)} of {len(timed)} rejected by the trust rule (the worst, "
+            f"{worst['label']}: {why})"]
+
+
+def _peer_notes(runs: list) -> list[str]:
+    return [f"{r['label']} warned: {w}" for r in runs for w in r.get("warnings", [])]
 
 
 def format_table(report: dict) -> str:
     """The results as an aligned text table with a setup line above and the key below."""
     head, body = table_rows(report)
     rows = [head] + body
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    full = [row for row in rows if len(row) == len(head)]
+    widths = [max(len(row[i]) for row in full) for i in range(len(head))]
+    # NOTE: a run without figures prints its label and why in one line, beside the columns.
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(row, widths))) for row in rows]
+                       enumerate(zip(row, widths))) if len(row) == len(head)
+             else f"{row[0].ljust(widths[0])}  {row[1]}" for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(_setup_lines(report) + lines + _notes(report) + ["verdict: " + conclusion(report)])
 
@@ -162,6 +240,7 @@ def conclusion(report: dict) -> str:
 def section(report: dict, plots: list[str]) -> Section:
     """The demo's results as a lab report section (the same rows as the printed table)."""
     head, rows = table_rows(report)
+    rows = [row + [""] * (len(head) - len(row)) for row in rows]
     return Section(name="demo", title="Fine-tuning comparison (demo)", setup="; ".join(_setup_lines(report)),
                    columns=head, rows=rows, notes=_notes(report), plots=plots,
                    conclusion=conclusion(report),
@@ -184,6 +263,8 @@ def write_plot(report: dict, path: Path) -> Optional[str]:
     ref = next((r for r in runs if r["config"] == "reference" and not r.get("noise_run")), None)
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, run in enumerate(runs):
+        if "val_curve" not in run:
+            continue  # not installed, or it could not run here
         style = dict(lw=0.8, alpha=0.6, ls="--") if run.get("noise_run") else dict(lw=1.5)
         style["color"] = f"C{i % 10}"  # the same colour in both panels
         steps, losses = zip(*run["val_curve"])

@@ -88,16 +88,22 @@ def verdict(run: Mapping, ref: Optional[Mapping], band: Optional[float], *,
 
 
 def verdicts_line(runs: Sequence[Mapping], reference: str, band: Optional[float]) -> str:
-    """One line: each measured run's verdict against the reference, judged by its reduction."""
-    measured = [r for r in runs if "final_val_loss" in r and "start_val_loss" in r]
+    """One line: each measured run's verdict against the reference, judged by its reduction
+    where both start losses were measured, else (said so) by the final losses."""
+    measured = [r for r in runs if r.get("final_val_loss") is not None]
     ref = next((r for r in measured if r.get("config") == reference and not r.get("noise_run")), None)
     if ref is None:
         return "no reference run finished: nothing to compare"
-    parts = [f"{r['label']} {verdict(r, ref, band, by_reduction=True)} "
-             f"({loss_delta(r, ref, by_reduction=True):+.4f})"
-             for r in measured if r is not ref and not r.get("noise_run")]
+    parts = [_verdict_part(r, ref, band) for r in measured if r is not ref and not r.get("noise_run")]
     where = f"noise band {band:.4f}" if band is not None else "no noise band: no ties called"
     return f"against {ref['label']}: {', '.join(parts) or 'no other run'}; {where}"
+
+
+def _verdict_part(run: Mapping, ref: Mapping, band: Optional[float]) -> str:
+    by_reduction = all(r.get("start_val_loss") is not None for r in (run, ref))
+    text = (f"{run['label']} {verdict(run, ref, band, by_reduction=by_reduction)} "
+            f"({loss_delta(run, ref, by_reduction=by_reduction):+.4f}")
+    return text + (")" if by_reduction else ", final losses: a start loss was not measured)")
 
 
 # ---------------------------------------------------------------------------- the machine
@@ -110,7 +116,7 @@ def machine_facts() -> dict:
     facts = dict(diagnostics.environment_facts() + native + diagnostics.topology_facts())
     pick = lambda *names: {n: str(facts[n]) for n in names if n in facts}  # noqa: E731
     return dict(
-        machine=dict(cpu=_cpu_name(), cpus=os.cpu_count(), **pick("platform", "allowed cpus",
+        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), **pick("platform", "allowed cpus",
                                                                     "numa nodes", "cuda devices")),
         versions=pick("adambridge", "torch", "python"),
         isa=dict(native_ok=native_ok, **pick("backend", "isa detected", "isa active",
@@ -120,7 +126,8 @@ def machine_facts() -> dict:
         facts={k: str(v) for k, v in facts.items()})
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo (lscpu) gives it, else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

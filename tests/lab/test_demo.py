@@ -162,6 +162,10 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     for run in report["runs"]:
         assert run["label"] in printed
     assert "noise band" in printed and report["table"] in printed
+    # without --peers: ours in this process, and one line on the peers it left out
+    skipped, = [line for line in printed.splitlines() if "peers skipped (" in line]
+    assert skipped.startswith("adambridge demo: peers skipped (") and "--peers" in skipped
+    assert report["setup"]["processes"] == "one process for all"
     # the lab's report format: the same rows in its section, a report.md a README can quote
     assert report["format"] == lab_report.FORMAT and report["isa"]["backend"]
     section, = report["sections"]

@@ -77,10 +77,10 @@ def test_host_master_optimizer_matches_adamw_on_an_fp32_copy(ft):
 
 def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
-                peak_device_bytes=None, host_bytes_per_param=None)
+                peak_device_bytes=None, state_bytes_per_param=4.0, start_val_loss=2.5)
     runs = [dict(base, config="adamw", label="ref", final_val_loss=2.0, rss_growth_bytes=1 << 30),
             dict(base, config="adambridge-bf16", label="ab", final_val_loss=2.0005,
-                 rss_growth_bytes=3 << 30, host_bytes_per_param=8.0),
+                 rss_growth_bytes=3 << 30, state_bytes_per_param=8.0, timing_trusted=False),
             dict(base, config="bf16-only", label="b16", final_val_loss=2.1, rss_growth_bytes=1 << 30),
             dict(base, config="adamw", label="ref2", final_val_loss=1.999, rss_growth_bytes=1 << 30,
                  noise_run=True),
@@ -94,9 +94,10 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     rows = {row[0]: row for row in section.rows}
     assert all(len(row) == len(section.columns) for row in section.rows)
     assert rows["ab"][4] == "+0.0005 (tie)" and rows["ab"][8] == "+2.00" and rows["ab"][9] == "8.00"
+    assert rows["ab"][6] == "(10.0)" and rows["ref"][6] == "10.0"  # the trust rule's brackets
     assert rows["b16"][4] == "+0.1000 (worse)" and rows["ref2"][4] == "-0.0010 (noise run)"
-    assert rows["bnb"][1].startswith("failed: ImportError")
-    assert rows["tao"][1] == "not installed (pip install torchao)"
+    assert rows["bnb"][1] == "cannot run here: ImportError: no bitsandbytes"
+    assert rows["tao"][1] == 'not installed (pip install "adambridge[peers]")'
     md = lab_report.md_table(section.columns, section.rows)
     assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
 
@@ -105,7 +106,7 @@ def test_section_judges_a_run_by_its_own_reduction_when_it_starts_elsewhere(ft):
     """A bf16 run starts from a cast of the weights, at another loss: the table must show what
     its optimizer did (its reduction against the reference's), not where the cast put it."""
     base = dict(weights="bfloat16", mode="sync", bf16_changed=0.5, ms_per_step=10.0,
-                peak_device_bytes=None, host_bytes_per_param=None, rss_growth_bytes=0)
+                peak_device_bytes=None, state_bytes_per_param=8.0, rss_growth_bytes=0)
     runs = [dict(base, config="adamw", label="ref", start_val_loss=5.1151, final_val_loss=5.0),
             dict(base, config="adambridge-bf16", label="ab", start_val_loss=5.1164,
                  final_val_loss=5.0013)]
@@ -124,28 +125,74 @@ def test_not_installed_rows_only_for_the_default_plan(ft, monkeypatch):
     assert ft.not_installed(ft.parse_args(["--configs", "bnb-adamw8bit"])) == []
 
 
-def test_finetune_tiny_model_offline_end_to_end(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed "
-                                               "(pip install 'adambridge[test]')")
+def test_configs_include_every_peer_of_the_demo(ft):
+    from adambridge.lab import demo_peers
+    peers = {n: c for n, c in ft.CONFIGS.items() if c.needs}
+    assert list(peers) == list(demo_peers.PEERS)
+    assert all(c.needs == demo_peers.PEERS[n].package for n, c in peers.items())
+
+
+def _offline(tmp_path) -> tuple:
     text = tmp_path / "text.txt"
     text.write_text(Path(json.__file__).read_text() * 3)  # ~40 KB of real text
-    out = tmp_path / "report"
     # one intra-op thread: the model is tiny, and on a busy 2-core machine OpenMP barriers spin
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS="1")
+    return text, env
+
+
+def test_finetune_tiny_model_offline_end_to_end(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed "
+                                               "(pip install 'adambridge[test]')")
+    text, env = _offline(tmp_path)
+    out = tmp_path / "report"
     cmd = [sys.executable, str(SCRIPT), "--model-config", "tiny", "--text-file", str(text),
            "--device", "cpu", "--steps", "3", "--batch", "2", "--seq-len", "32",
-           "--configs", "adamw,adambridge-bf16", "--noise-runs", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "--configs", "adamw,adambridge-bf16", "--noise-runs", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
-    ref, ab = report["runs"]
-    assert (ref["config"], ab["config"]) == ("adamw", "adambridge-bf16")
-    assert ref["weights"] == "float32" and ab["weights"] == "bfloat16"
+    ref, ab, noise = report["runs"]
+    assert (ref["config"], ab["config"], noise["config"]) == ("adamw", "adambridge-bf16", "adamw")
+    assert ref["weights"] == "float32" and ab["weights"] == "bfloat16" and noise["noise_run"]
     assert report["start_val_loss"] > ref["final_val_loss"] > 0
-    assert ab["host_bytes_per_param"] >= 8 and ab["mode"] in ("sync", "async")
+    # every run measures its own start: the bf16 run starts from the weights cast to bf16
+    assert all(r["start_val_loss"] > 0 for r in report["runs"])
+    assert ab["start_val_loss"] != ref["start_val_loss"]
+    assert ab["state_bytes_per_param"] >= 8 and ref["state_bytes_per_param"] >= 8
+    assert ab["mode"] in ("sync", "async") and isinstance(ab["timing_trusted"], bool)
     assert 0 < ab["bf16_changed"] <= 1 and ref["ms_per_step"] > 0
     assert "| AdamBridge bf16 moments | bfloat16 |" in (out / "report.md").read_text()
     assert report["format"] == lab_report.FORMAT and report["status"] == "complete"
-    assert [row[0] for row in report["sections"][0]["rows"]] == [ref["label"], ab["label"]]
+    assert [row[0] for row in report["sections"][0]["rows"]] == [r["label"] for r in report["runs"]]
     assert not (out / "data.pt").exists()
+    # what the lab's finetune phase concludes from these very runs (it crashed on a start
+    # loss of null when only the reference measured its start)
+    line = lab_report.verdicts_line(report["runs"], "adamw", report["noise_band"])
+    assert line.startswith(f"against {ref['label']}: AdamBridge bf16 moments ") and "final losses" not in line
+    # a report of the earlier script (start measured by the reference only) is still judged, and says how
+    old = [dict(r, start_val_loss=None) if r is not ref else r for r in report["runs"]]
+    line = lab_report.verdicts_line(old, "adamw", report["noise_band"])
+    assert "AdamBridge bf16 moments" in line and "final losses: a start loss was not measured" in line
+
+
+def test_lab_finetune_phase_on_a_cpu_concludes_from_the_real_runs(tmp_path, monkeypatch):
+    """The lab's finetune preset on a CPU machine: the phase runs the real script (its offline
+    tiny model) and judges what the runs really report."""
+    pytest.importorskip("transformers", reason="transformers is not installed "
+                                               "(pip install 'adambridge[test]')")
+    from adambridge.lab import bench_phases, phases
+    real_stream = bench_phases.stream
+
+    def three_configs(cmd, on_line, **kwargs):  # the phase's own command, fewer configurations
+        return real_stream(list(cmd) + ["--configs", "adamw,adambridge-fp8,bf16-only"], on_line, **kwargs)
+    monkeypatch.setattr(bench_phases, "stream", three_configs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    section = bench_phases.finetune(phases.Context(tmp_path, {"finetune_steps": 3}, lambda f, m: None))
+    assert section.status == "ok", section.error
+    runs = section.figures["runs"]
+    assert [r["config"] for r in runs] == ["adamw", "adambridge-fp8", "bf16-only", "adamw"]
+    assert all(r["start_val_loss"] is not None for r in runs)
+    assert section.conclusion.startswith("by each run's reduction from its own start, against AdamW")
+    assert "AdamBridge fp8 moments" in section.conclusion and "BF16-only AdamW" in section.conclusion

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ from ..update import state as host_state
 from ..update.codecs import stream_key
 from ..update.functional import Hyper, adamw_update
 from .work_items import Job, StepRecord
+
+if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
+    from ..door import OptimizerDoor
 
 _log = logging.getLogger("adambridge")
 ENV = "ADAMBRIDGE_VERIFY_ASYNC"
@@ -71,7 +74,7 @@ class Verifier:
     def active(self) -> bool:
         return self.left > 0
 
-    def check(self, opt: Any, record: StepRecord, shadows: dict, backend: str) -> None:
+    def check(self, opt: OptimizerDoor, record: StepRecord, shadows: dict, backend: str) -> None:
         """After the step's updates: each one made again from its copy, compared."""
         self.step += 1
         if not record.failed and not record.skip:
@@ -85,7 +88,7 @@ class Verifier:
                          "for bit (%d parameter updates checked%s)", ENV, self.step,
                          self.checked, skipped)
 
-    def _check_job(self, opt: Any, job: Job, shadow: Optional[torch.Tensor],
+    def _check_job(self, opt: OptimizerDoor, job: Job, shadow: Optional[torch.Tensor],
                    backend: str) -> None:
         if job.streamed or not job.saved_state or job.state is None:
             self.streamed += 1
@@ -121,7 +124,7 @@ class Verifier:
                 f"{sync_at!r}); most likely cause: {cause}")
 
 
-def _sync_twin(opt: Any, job: Job, grad: torch.Tensor, backend: str) -> tuple:
+def _sync_twin(opt: OptimizerDoor, job: Job, grad: torch.Tensor, backend: str) -> tuple:
     """(master and moments, the parameter's own values or None) of job's update made again
     on scratch copies of the state it started from, with ``grad``."""
     scratch = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in job.state.items()}
@@ -143,7 +146,7 @@ def _sync_twin(opt: Any, job: Job, grad: torch.Tensor, backend: str) -> tuple:
     return twin, (scratch["master"] if out is None else out)
 
 
-def _live_values(opt: Any, job: Job) -> dict:
+def _live_values(opt: OptimizerDoor, job: Job) -> dict:
     live = {k: job.state.get(k) for k in step_wide.SAVED_KEYS}
     live["param"] = job.p.detach().reshape(-1).to("cpu")
     return live

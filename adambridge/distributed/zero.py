@@ -320,33 +320,13 @@ def saved_state(opt: OptimizerDoor) -> dict:
     return out
 
 
-def restore(opt: OptimizerDoor, state_dict: Any) -> tuple:
-    """checkpoint.restore of a whole (unsharded-layout) checkpoint, kept to this rank's
-    ranges; nothing is changed before every value is checked."""
+def restore(opt: OptimizerDoor, state_dict: Any) -> Any:
+    """checkpoint.restore of a whole (unsharded-layout) checkpoint, whose states() build this
+    rank's ranges only: a range is copied or converted out of the loaded tensors, never a
+    whole parameter's state. Nothing is changed before every value is checked."""
     g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
-    new_state, new_groups, meta = checkpoint.restore(state_dict, opt.param_groups, params,
-                                                     opt.precision)
     index = {p: i for i, p in enumerate(params)}
-    ranged = {}
-    for key, value in new_state.items():
-        if not isinstance(key, torch.Tensor):
-            ranged[key] = value
-            continue
-        start, end = chunk_range(key.numel(), index[key], g.rank, g.world)
-        if start < end:
-            ranged[key] = _kept(key, value, start, end)
-    return ranged, new_groups, meta
-
-
-def _kept(p: torch.Tensor, state: dict, start: int, end: int) -> dict:
-    kept = {"step": state["step"]}
-    for key, value in state.items():
-        if key == "step":
-            continue
-        if key == "master" and _aliases(p):
-            kept[key] = p.detach().view(-1)[start:end]
-            continue
-        first, last = (_blocks(start, end) if key.endswith("_scale") else (start, end))
-        kept[key] = value[first:last].clone()  # a copy: the whole tensor is freed
-    return kept
+    return checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
+                              span_of=lambda p: chunk_range(p.numel(), index[p], g.rank,
+                                                            g.world))

@@ -19,7 +19,7 @@ import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
@@ -309,6 +309,14 @@ class Tier:
         stats.io_write_bytes += written
         stats.io_wait_s += wait_s
 
+    def host_bytes(self) -> int:
+        """Host bytes the tier holds beside the in-RAM states: its ring of aligned page
+        buffers (allocated at the first stream, page records for O_DIRECT I/O) and the
+        staging of each file-placed parameter's new weights until a step commits."""
+        ring = sum(buffer.resident_bytes for buffer in self.stream.buffers)
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return ring + staging
+
     # -- checkpoints
 
     def committed_states(self) -> dict:
@@ -331,16 +339,20 @@ class Tier:
                     states[p] = read_state(files, buffer, generation, step)
         return states
 
-    def adopt(self, new_state: dict) -> dict:
+    def adopt(self, states: Iterable[tuple]) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
-        return new_state with those entries reduced to ``step``. Raises before any change."""
+        return every (key, state) of ``states`` as a dict, those entries reduced to
+        ``step``. Each state is written as it comes, so only one file-placed parameter's
+        state is in RAM at a time. Raises before any change: the pages go to the next
+        generation, which only the final publish commits."""
         self._check_open()
+        out, written, kept = {}, {}, set()
         with self.lock:
             self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones
-            written = {}
-            for p, state in new_state.items():
-                if not self.holds(p):
+            for p, state in states:
+                if not isinstance(p, torch.Tensor) or not self.holds(p):
+                    out[p] = state
                     continue
                 if p not in self._files:
                     self.new_state(p)
@@ -348,14 +360,15 @@ class Tier:
                 generation = self._committed.get(files.index, (0, 0))[0] + 1
                 self._write_state(files, state, generation)
                 written[p] = (files.index, generation, int(state["step"].item()))
+                out[p] = FiledState(step=state["step"])
             # Parameters the checkpoint has no state for start fresh, as in torch.
-            kept = {self._files[p].index for p in new_state if p in self._files}
+            kept = {self._files[p].index for p in out if isinstance(p, torch.Tensor)
+                    and p in self._files}
             committed = {i: v for i, v in self._committed.items() if i in kept}
             committed.update({i: (gen, step) for i, gen, step in written.values()})
             self._publish(committed, [f for p in written for f in self._files[p].files])
             self._committed = committed
-        return {p: (FiledState(step=s["step"]) if p in written else s)
-                for p, s in new_state.items()}
+        return out
 
     def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
         buffer = self.stream.ring(self.layout)[0]

@@ -1,0 +1,98 @@
+"""Tensors that live in a file mapping (``torch.load(f, mmap=True)``): finding them, and handing their pages back.
+
+A checkpoint loaded with ``mmap=True`` holds its tensors in a private mapping of the file.
+The optimizer must not keep such a tensor as its state: a later ``torch.save`` to the same
+path truncates and rewrites the file, and the kernel then drops or replaces the mapped pages
+(even those the process already wrote), so the state would change under it or fault. A load
+copies such tensors into host memory instead, one parameter at a time, and hands the pages it
+has read back to the kernel (``MADV_PAGEOUT``, which keeps their contents: a clean page is
+read again from the file if touched), so the mapping never holds more than one parameter.
+
+Linux only reads its mappings (``/proc/self/maps``); elsewhere every tensor counts as mapped,
+so loads copy (correct, at the cost of memory) and no page is handed back.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from .alloc import _libc
+
+MAPS = "/proc/self/maps"
+PAGE = 4096
+_MADV_PAGEOUT = 21  # Linux 5.4+; older kernels answer EINVAL and keep the pages
+
+
+class Mappings:
+    """The address ranges of this process's file mappings, read once (at a load's start:
+    the load itself maps no files)."""
+
+    def __init__(self, maps_path: str = MAPS) -> None:
+        self.known = os.path.exists(maps_path)
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        if self.known:
+            for start, end in sorted(_file_ranges(maps_path)):
+                self._starts.append(start)
+                self._ends.append(end)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether any byte of ``tensor`` (a CPU tensor) lies in a file mapping; True where
+        this system does not say."""
+        if not self.known:
+            return True
+        nbytes = tensor.untyped_storage().nbytes()
+        start = tensor.untyped_storage().data_ptr()
+        if nbytes == 0:
+            return False
+        i = bisect.bisect_right(self._starts, start + nbytes - 1) - 1
+        return i >= 0 and self._ends[i] > start
+
+
+def _file_ranges(maps_path: str) -> list[tuple[int, int]]:
+    """(start, end) of every mapping with a file behind it (an inode), /dev/shm included."""
+    ranges = []
+    with open(maps_path) as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 5 and fields[4] != "0":
+                start, _, end = fields[0].partition("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Hand the whole pages under a mapped tensor back to the kernel; their contents stay
+    (MADV_PAGEOUT writes nothing away that it cannot read back). A no-op where the kernel
+    or the system lacks it."""
+    libc = _libc()
+    nbytes = tensor.numel() * tensor.element_size()
+    if libc is None or nbytes < PAGE:
+        return
+    start = tensor.data_ptr()
+    first = -(-start // PAGE) * PAGE
+    length = (start + nbytes - first) // PAGE * PAGE
+    if length > 0:
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_PAGEOUT)
+
+
+def storage_shared(tensor: torch.Tensor) -> bool:
+    """Whether another tensor than ``tensor`` views its storage (a view handed out by a
+    state_dict(), two saved tensors torch.save stored once, a slice of a larger buffer).
+
+    NOTE: torch counts the tensors (and Python storage objects) that hold a storage; the
+    ``untyped_storage()`` asked for here is one of them, so a storage only ``tensor``
+    holds counts 2.
+    """
+    storage = tensor.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) > 2 or \
+        storage.nbytes() != tensor.numel() * tensor.element_size()
+
+
+def mappings() -> Optional[Mappings]:
+    """This process's file mappings now."""
+    return Mappings()

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint: a load planner for checkpoints that lack AdamBridge's own keys.
+"""torch.distributed.checkpoint: a load planner for checkpoints that lack AdamBridge's own keys or hold the moments in the other form.
 
 DCP loads a checkpoint into the tensors of a state_dict the loading side made, and refuses
 one that lacks any of its keys. An AdamBridge state_dict holds keys torch.optim.AdamW's does
@@ -19,7 +19,11 @@ into it with DCP's default planner::
 ``LoadPlanner`` is DCP's DefaultLoadPlanner that lets exactly those keys be missing, and
 torch.optim.AdamW's group flags (``amsgrad``, ``foreach``, ...; AdamBridge's checkpoints carry
 them for torch, and torch fills in their defaults itself). Every other missing key fails as
-with the default planner: never a step, a moment or a hyperparameter. A missing key is taken
+with the default planner: never a step, a moment or a hyperparameter. The moments are served
+in either form: a dict that wants ``exp_avg`` / ``exp_avg_sq`` (torch.optim.AdamW's, or an
+AdamBridge of fp32 or bf16 moments) from a checkpoint of fp8 codes gets them decoded as the
+codes land; an fp8 AdamBridge's dict from a checkpoint of torch's form (AdamW's, or ours in
+fp32 or bf16) gets that form loaded beside its own keys, for load_state_dict() to convert. A missing key is taken
 out of the dict being loaded, so load_state_dict() sees the checkpoint's own form, never a
 value left over from the optimizer that made the dict. An entry that lacks any of them is
 loaded without its ``ab_step`` too, which is written -1 instead, so the same load without

@@ -251,24 +251,34 @@ def _decodes_to(stored: dict, torch_form: dict, maps: Mappings) -> bool:
     return same
 
 
+_CHUNK = 1 << 18  # elements a check reads at once: its temporaries stay a few MiB
+
+
+def _chunks(value: torch.Tensor):
+    flat = value.reshape(-1)
+    return (flat[i:i + _CHUNK] for i in range(0, flat.numel(), _CHUNK))
+
+
 def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional[torch.Tensor]:
     """The fp32 master a checkpoint holds, or None where torch cast it to the parameter's
     dtype (the parameter then holds the weights). A float64 master (a converted
     checkpoint) is taken when float32 holds each of its values exactly."""
     if value.dtype not in (torch.float32, torch.float64):
         return None
-    bad = int((~torch.isfinite(value)).sum())
+    bad, inexact = 0, None
+    for chunk in _chunks(value):
+        bad += int((~torch.isfinite(chunk)).sum())
+        if value.dtype == torch.float64 and inexact is None:
+            wrong = chunk.float().double() != chunk
+            inexact = chunk[wrong][0].item() if wrong.any() else None
     if bad:
         raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: {bad} of "
                          f"{value.numel()} elements are inf or NaN; resume from a checkpoint "
                          f"written before the run diverged")
-    if value.dtype == torch.float64:
-        inexact = value.float().double() != value
-        if inexact.any():
-            raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
-                             f"values that float32 does not hold exactly (e.g. "
-                             f"{value[inexact].flatten()[0].item()!r}); the master is float32: "
-                             f"save it as float32")
+    if inexact is not None:
+        raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
+                         f"values that float32 does not hold exactly (e.g. {inexact!r}); the "
+                         f"master is float32: save it as float32")
     if maps.holds(value):
         release_pages(value)  # read again, one parameter at a time, when it is taken
     return value

@@ -68,17 +68,17 @@ def _decode_entry(key: Any, entry: dict, dtype: torch.dtype, maps: Mappings) -> 
 
 
 def refuse_unconverted(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: a torch optimizer holding our fp8 entries refuses to
-    step, in one line.
+    """Global optimizer step pre-hook: torch.optim.Adam or AdamW holding our fp8 entries
+    refuses to step, in one line.
 
-    NOTE: torch.optim.Optimizer.load_state_dict takes any dict and AdamW's step then reads
+    NOTE: torch.optim.Optimizer.load_state_dict takes any dict and Adam's step then reads
     state["exp_avg"]; an entry of ours that lacks it would fail there with a bare KeyError.
-    AdamBridge's own state never holds the ab_ keys, so it passes.
+    Other optimizers are let be: a wrapper such as ZeroRedundancyOptimizer keeps the loaded
+    entries in its own state while the optimizer it wraps (AdamBridge) steps.
     """
-    state = getattr(optimizer, "state", None)
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(state, dict) or not isinstance(groups, list):
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is one
         return
+    state, groups = optimizer.state, optimizer.param_groups
     for group in groups:
         params = group.get("params", ()) if isinstance(group, dict) else ()
         for p in islice(params, _CHECKED_PER_GROUP):

@@ -21,6 +21,7 @@ from adambridge.checkpoint import to_torch_adamw
 from adambridge.host.mapped import Mappings
 from adambridge.update import state as host_state
 from _tiny import tiny_mlp
+from test_lossless_state import roundtrip as _roundtrip, train as _train
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -29,22 +30,6 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_sc
 
 def _model(dtype):
     return tiny_mlp((9, 300, 3), between="relu", dtype=dtype, seed=5)  # fp8's short last block
-
-
-def _train(model, opt, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(16, 9, generator=gen).to(dtype)).float().pow(2).mean().backward()
-        opt.step()
-
-
-def _roundtrip(obj, **load):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True, **load)
 
 
 def _trained(precision, dtype, steps=3):

@@ -44,7 +44,9 @@ PATHS = {
     "dcp_own": (1, True, False, "dcp_own"),
     "dcp": (1, True, True, "dcp"),
     "nvme": (1, True, True, "nvme"),
+    "nvme_mmap": (1, False, True, "nvme"),
     "shard_state": (2, True, True, "shard_state"),
+    "shard_state_mmap": (2, False, True, "shard_state"),
     "fsdp2": (2, True, True, "fsdp2"),
 }
 TITLES = {
@@ -53,7 +55,9 @@ TITLES = {
     "dcp_own": "dcp.save({'optim': opt.state_dict()})",
     "dcp": "DCP get_/set_optimizer_state_dict + dcp.save / dcp.load",
     "nvme": "NVMe tier (offload_dir, host_budget=0): torch.save / torch.load",
+    "nvme_mmap": "NVMe tier: opt.load_state_dict(torch.load(f, mmap=True))",
     "shard_state": "shard_state=True, 2 gloo ranks: torch.save / torch.load",
+    "shard_state_mmap": "shard_state=True, 2 gloo ranks: torch.load(f, mmap=True)",
     "fsdp2": "FSDP2 (fully_shard), 2 gloo ranks: DCP get_/set_",
 }
 
@@ -90,11 +94,11 @@ def _optimizer(spec: dict, model):
     if spec["optimizer"] == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
     extra = {}
-    if spec["path"] == "nvme":
+    if spec["path"].startswith("nvme"):
         tier = os.path.join(spec["dir"], f"tier-{spec['phase']}-{spec['optimizer']}")
         os.makedirs(tier, exist_ok=True)
         extra = dict(offload_dir=tier, host_budget=0)
-    if spec["path"] == "shard_state":
+    if spec["path"].startswith("shard_state"):
         extra = dict(shard_state=True)
     return AdamBridge(params, lr=1e-3, precision=spec["optimizer"], seed=3, **extra)
 
@@ -164,8 +168,8 @@ def _load(spec: dict, model, opt) -> None:
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     path, source = spec["path"], _file(spec)
-    if path in ("torch", "nvme", "shard_state", "mmap"):
-        opt.load_state_dict(torch.load(source, weights_only=True, mmap=path == "mmap"))
+    if path in ("torch", "nvme", "shard_state") or path.endswith("mmap"):
+        opt.load_state_dict(torch.load(source, weights_only=True, mmap=path.endswith("mmap")))
     else:
         osd = get_optimizer_state_dict(model, opt)
         dcp.load({"optim": osd}, checkpoint_id=source)
@@ -185,7 +189,7 @@ def _warm_up(spec: dict) -> None:
     os.makedirs(tiny["dir"], exist_ok=True)
     target = os.path.join(tiny["dir"], f"{spec['phase']}-{spec['optimizer']}.pt")
     torch.save(opt.state_dict(), target)
-    loaded = torch.load(target, weights_only=True, mmap=spec["path"] == "mmap")
+    loaded = torch.load(target, weights_only=True, mmap=spec["path"].endswith("mmap"))
     _optimizer(tiny, model).load_state_dict(loaded)
     if spec["path"] in ("dcp", "dcp_own", "fsdp2"):
         import torch.distributed.checkpoint as dcp

@@ -123,7 +123,9 @@ def _tensor(index: int, entry: dict, key: str, numel: int) -> torch.Tensor:
     # detached view) so that restore.Taker can tell whether anything else holds it.
     if value.device.type == "cpu" and not value.requires_grad:
         return value
-    return value.detach().to("cpu")
+    copy = value.detach().to("cpu", copy=True)
+    copy.checkpoint_copy = True  # made here, for the load alone: restore.Taker may keep it
+    return copy
 
 
 def _precision_of_pair(moments: dict) -> Optional[str]:
@@ -265,16 +267,19 @@ def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional
     checkpoint) is taken when float32 holds each of its values exactly."""
     if value.dtype not in (torch.float32, torch.float64):
         return None
-    bad, inexact = 0, None
-    for chunk in _chunks(value):
-        bad += int((~torch.isfinite(chunk)).sum())
-        if value.dtype == torch.float64 and inexact is None:
-            wrong = chunk.float().double() != chunk
-            inexact = chunk[wrong][0].item() if wrong.any() else None
-    if bad:
+    if value.numel() and not all(map(math.isfinite, torch.aminmax(value.reshape(-1)))):
+        # NOTE: min and max, one pass with no temporary, are inf or NaN exactly when an
+        # element is; only then is the count (the message's) worth its passes.
+        bad = sum(int((~torch.isfinite(chunk)).sum()) for chunk in _chunks(value))
         raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: {bad} of "
                          f"{value.numel()} elements are inf or NaN; resume from a checkpoint "
                          f"written before the run diverged")
+    inexact = None
+    for chunk in _chunks(value) if value.dtype == torch.float64 else ():
+        wrong = chunk.float().double() != chunk
+        if wrong.any():
+            inexact = chunk[wrong][0].item()
+            break
     if inexact is not None:
         raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
                          f"values that float32 does not hold exactly (e.g. {inexact!r}); the "

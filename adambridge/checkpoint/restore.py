@@ -83,7 +83,8 @@ class Taker:
 
         NOTE: checked before any view of it is made here, since storage_shared counts the
         tensors that view a storage."""
-        return (id(value) in self.sole and type(value) is torch.Tensor and value.dtype == dtype
+        sole = id(value) in self.sole or getattr(value, "checkpoint_copy", False)
+        return (sole and type(value) is torch.Tensor and value.dtype == dtype
                 and value.is_cpu
                 and value.is_contiguous() and not value.requires_grad
                 and not value.is_inference()

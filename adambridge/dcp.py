@@ -23,9 +23,9 @@ with the default planner: never a step, a moment or a hyperparameter. The moment
 in either form: a dict that wants ``exp_avg`` / ``exp_avg_sq`` (torch.optim.AdamW's, or an
 AdamBridge of fp32 or bf16 moments) from a checkpoint of fp8 codes gets them decoded as the
 codes land; an fp8 AdamBridge's dict from a checkpoint of torch's form (AdamW's, or ours in
-fp32 or bf16) gets that form loaded beside its own keys, for load_state_dict() to convert. A missing key is taken
-out of the dict being loaded, so load_state_dict() sees the checkpoint's own form, never a
-value left over from the optimizer that made the dict. An entry that lacks any of them is
+fp32 or bf16) gets that form loaded beside its own keys, for load_state_dict() to convert.
+A missing key is taken out of the dict being loaded, so load_state_dict() sees the
+checkpoint's own form, never a value left over from the optimizer that made the dict. An entry that lacks any of them is
 loaded without its ``ab_step`` too, which is written -1 instead, so the same load without
 load_state_dict() is refused at the next step (checkpoint.HandedOut).
 """

@@ -646,8 +646,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 restored = fsdp.restore(state_dict, self.param_groups, params, precision,
                                         self._handed, own=self.state.get)
             # Checked whole; built one parameter at a time (file-placed ones into the files).
-            states = restored.states()
-            new_state = self._tier.adopt(states) if self._tier is not None else dict(states)
+            if self._tier is not None:
+                new_state = self._tier.adopt(restored.states(kept=self._tier.keeps_in_ram))
+            else:
+                new_state = dict(restored.states())
         except BaseException:
             if self._handed is not None and self._handed.written():
                 self._in_place_refusal = checkpoint.REFUSED_AFTER_IN_PLACE

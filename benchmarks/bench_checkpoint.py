@@ -11,7 +11,8 @@ caches, which do not grow with the model, are not counted), returns freed heap t
 (``malloc_trim``), resets the peak RSS
 (``/proc/self/clear_refs`` "5", so VmHWM restarts from the current RSS), runs the phase and
 reads VmHWM. Peak extra is VmHWM minus the RSS before the phase minus, for a load, the state
-the optimizer holds afterwards (the steady state it was loading); a load ends with one read
+the optimizer holds afterwards (the steady state it was loading, the NVMe tier's page buffers
+included: ``host_memory_bytes()['nvme_buffers']``); a load ends with one read
 of every state tensor, as the first step would, so a state left in a file mapping counts as
 resident too. Two-rank paths run each rank as its own process over gloo on 127.0.0.1 and
 report the larger rank. Figures are bytes per parameter of the whole model; "budget" is the
@@ -230,7 +231,10 @@ def run_phase(spec: dict) -> dict:
         _touch(opt)
     seconds = time.perf_counter() - began
     peak = _kib("VmHWM")
-    state = _state_bytes(opt) if spec["phase"] == "load" else 0
+    state = 0
+    if spec["phase"] == "load":  # the steady state it loaded: the state, the tier's buffers
+        memory = opt.host_memory_bytes() if hasattr(opt, "host_memory_bytes") else {}
+        state = _state_bytes(opt) + memory.get("nvme_buffers", 0)
     return {"extra": peak - before - state, "seconds": seconds, "state": state}
 
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _validation as check
-from ..host.mapped import Mappings, release_pages
+from ..host.mapped import Mappings, pieces, release_pages
 from ..update import codecs, state as host_state
 from .saved import GROUP_META, MAX_STEP, NATIVE_KEYS, OURS
 
@@ -267,7 +267,9 @@ def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional
     checkpoint) is taken when float32 holds each of its values exactly."""
     if value.dtype not in (torch.float32, torch.float64):
         return None
-    if value.numel() and not all(map(math.isfinite, torch.aminmax(value.reshape(-1)))):
+    ends = [torch.aminmax(piece) for _, piece in pieces(value.reshape(-1), maps)
+            if piece.numel()]
+    if not all(math.isfinite(end) for pair in ends for end in pair):
         # NOTE: min and max, one pass with no temporary, are inf or NaN exactly when an
         # element is; only then is the count (the message's) worth its passes.
         bad = sum(int((~torch.isfinite(chunk)).sum()) for chunk in _chunks(value))
@@ -285,5 +287,5 @@ def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional
                          f"values that float32 does not hold exactly (e.g. {inexact!r}); the "
                          f"master is float32: save it as float32")
     if maps.holds(value):
-        release_pages(value)  # read again, one parameter at a time, when it is taken
+        release_pages(value)  # read again, a piece at a time, when it is taken
     return value

@@ -11,20 +11,18 @@ storages), or another entry of the same load. Anything else is copied or convert
 """
 from __future__ import annotations
 
-from copy import deepcopy
 import sys
+from copy import deepcopy
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from ..host.alloc import collapse_huge_pages, host_empty
-from ..host.mapped import Mappings, release_pages, storage_shared
+from ..host.mapped import Mappings, pieces, release_pages, storage_shared
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
-from .checks import (Checked, check_groups, check_layout, checked_entry, saved_meta)
+from .checks import Checked, check_groups, check_layout, checked_entry, saved_meta
 from .saved import GROUP_META, torch_group_flags
-
-Span = Optional[tuple]  # (start, end) elements of a parameter, or None for all of it
 
 
 def _reference_counts(entry: dict) -> dict:
@@ -60,22 +58,25 @@ class Taker:
     def __init__(self, maps: Mappings, sole: set) -> None:
         self.maps, self.sole = maps, sole
         self.adopted: set = set()  # data_ptr of every storage adopted by this load
+        self.passing = False  # the state is written elsewhere and dropped, not kept
 
     def take(self, value: torch.Tensor, dtype: torch.dtype, own: Optional[torch.Tensor],
              span: tuple) -> torch.Tensor:
         """Elements [start, end) of host tensor ``value`` as a flat ``dtype`` host tensor."""
         if own is not None and _same_memory(value, own):
             return own  # the optimizer's own tensor, loaded in place (dcp.load into it)
-        if span == (0, value.numel()) and self._adoptable(value, dtype):
+        whole = span == (0, value.numel())
+        if self.passing and whole and value.dtype == dtype and value.is_contiguous():
+            return value.view(-1)  # only read, page by page, then let go: no copy needed
+        if whole and self._adoptable(value, dtype):
             self.adopted.add(value.untyped_storage().data_ptr())
             flat = value.view(-1)
             collapse_huge_pages(flat)  # as host_empty's state is: huge pages, read faster
             return flat
         flat = value.view(-1) if value.is_contiguous() else value.reshape(-1)
         out = host_empty(span[1] - span[0], dtype)
-        out.copy_(flat[span[0]:span[1]])
-        if self.maps.holds(value):
-            release_pages(value)
+        for start, piece in pieces(flat[span[0]:span[1]], self.maps):
+            out[start:start + piece.numel()].copy_(piece)
         return out
 
     def _adoptable(self, value: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -84,8 +85,7 @@ class Taker:
         NOTE: checked before any view of it is made here, since storage_shared counts the
         tensors that view a storage."""
         sole = id(value) in self.sole or getattr(value, "checkpoint_copy", False)
-        return (sole and type(value) is torch.Tensor and value.dtype == dtype
-                and value.is_cpu
+        return (sole and type(value) is torch.Tensor and value.dtype == dtype and value.is_cpu
                 and value.is_contiguous() and not value.requires_grad
                 and not value.is_inference()
                 and value.untyped_storage().data_ptr() not in self.adopted
@@ -152,17 +152,20 @@ class Restored:
         self._precision, self._own, self._span_of, self._maps = precision, own, span_of, maps
         self._sole = sole
 
-    def states(self) -> Iterator[tuple]:
+    def states(self, kept: Optional[Callable] = None) -> Iterator[tuple]:
         """(key, state) per saved entry, in saved order: a parameter's state (of the
         elements ``span_of(p)`` gives, all of them without it; an empty span yields
         nothing), or an entry that is not a parameter's, as it is. Each is built once, as it
-        is asked for, and this object lets go of the loaded tensors it has taken."""
+        is asked for, and this object lets go of the loaded tensors it has taken.
+        ``kept(p)`` False: p's state is only read and dropped (written into the NVMe tier's
+        files), so it may be the loaded tensors themselves, wherever they live."""
         taker = Taker(self._maps, self._sole)
         for saved_id, entry in self._order:
             if saved_id in self._checked:
                 key, shard = self._keys[saved_id], self._shards[saved_id]
                 span = self._span_of(key) if self._span_of is not None else (0, shard.numel())
                 checked = self._checked.pop(saved_id)
+                taker.passing = kept is not None and not kept(key)
                 if span[0] < span[1]:
                     yield key, build_state(checked, shard, self._precision,
                                            self._own(key) or {}, taker, span)
@@ -177,17 +180,19 @@ def restore(state_dict: Any, groups: list, params: list, precision: str, *,
 
     ``shards``: the tensors whose elements each parameter's state holds (an FSDP2 rank's
     local shards), default ``params``; ``span_of(p)``: the (start, end) elements of p whose
-    state to build (a shard_state rank's range), default all. ``own(p)``: the optimizer's current state of p, whose
-    tensors a load into its own state_dict() (``dcp.load`` in place) hands back. ``handed``:
-    what the last state_dict() handed out, whose stored moments an entry made from that same
-    dict may have lost on the way (HandedOut.stored_of). Entries for ids that no group lists
-    are kept as they are, as torch does.
+    state to build (a shard_state rank's range), default all. ``own(p)``: the optimizer's
+    current state of p, whose tensors a load into its own state_dict() (``dcp.load`` in
+    place) hands back. ``handed``: what the last state_dict() handed out, whose stored
+    moments an entry made from that same dict may have lost on the way
+    (HandedOut.stored_of). Entries for ids that no group lists are kept as they are, as
+    torch does.
     """
     check_layout(state_dict)
     saved_groups = deepcopy(state_dict["param_groups"])
     check_groups(saved_groups, groups)
     meta = saved_meta(state_dict, saved_groups)
     saved_ids = [i for g in saved_groups for i in g["params"]]
+    position = {saved_id: index for index, saved_id in enumerate(saved_ids)}
     keys = dict(zip(saved_ids, params))
     by_id = dict(zip(saved_ids, shards if shards is not None else params))
     maps, sole = Mappings(), sole_tensors(state_dict["state"].values())
@@ -201,8 +206,8 @@ def restore(state_dict: Any, groups: list, params: list, precision: str, *,
                 entry = {k: v for k, v in entry.items() if not (isinstance(v, dict) and not v)}
                 if handed is not None:
                     entry = handed.stored_of(keys[saved_id], entry)
-            checked[saved_id] = checked_entry(saved_ids.index(saved_id), entry,
-                                              by_id[saved_id], meta.get("precision"), maps)
+            checked[saved_id] = checked_entry(position[saved_id], entry, by_id[saved_id],
+                                              meta.get("precision"), maps)
     return Restored(_new_groups(saved_groups, groups), meta, order, checked, keys, by_id,
                     precision, own or (lambda p: None), span_of, maps, sole)
 

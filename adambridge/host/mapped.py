@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -31,7 +31,8 @@ class Mappings:
     """The address ranges of this process's file mappings, read once (at a load's start:
     the load itself maps no files)."""
 
-    def __init__(self, maps_path: str = MAPS) -> None:
+    def __init__(self, maps_path: Optional[str] = None) -> None:
+        maps_path = maps_path or MAPS
         self.known = os.path.exists(maps_path)
         self._starts: list[int] = []
         self._ends: list[int] = []
@@ -80,6 +81,23 @@ def release_pages(tensor: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_PAGEOUT)
 
 
+PIECE = 8 << 20  # bytes of a mapped tensor read before its pages are handed back
+
+
+def pieces(flat: torch.Tensor, maps: Mappings) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, piece) over flat tensor ``flat``: all of it at once, or, where it lies in a
+    file mapping, 8 MiB at a time, each piece's pages handed back once the caller is done
+    with it (so reading a mapped tensor holds 8 MiB of it, not all of it)."""
+    if not maps.holds(flat):
+        yield 0, flat
+        return
+    step = max(1, PIECE // flat.element_size())
+    for start in range(0, flat.numel(), step):
+        piece = flat[start:start + step]
+        yield start, piece
+        release_pages(piece)
+
+
 def storage_shared(tensor: torch.Tensor) -> bool:
     """Whether another tensor than ``tensor`` views its storage (a view handed out by a
     state_dict(), two saved tensors torch.save stored once, a slice of a larger buffer).
@@ -91,8 +109,3 @@ def storage_shared(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     return torch._C._storage_Use_Count(storage._cdata) > 2 or \
         storage.nbytes() != tensor.numel() * tensor.element_size()
-
-
-def mappings() -> Optional[Mappings]:
-    """This process's file mappings now."""
-    return Mappings()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
+from ..host.mapped import Mappings, release_pages
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
@@ -137,6 +138,10 @@ class Tier:
     def holds(self, p: torch.Tensor) -> bool:
         self._place()
         return self._where.get(p) == "file"
+
+    def keeps_in_ram(self, p: Any) -> bool:
+        """Whether p's state is kept in RAM (not a file-placed parameter's)."""
+        return not (isinstance(p, torch.Tensor) and self.holds(p))
 
     def placement(self) -> list[Placed]:
         self._place()
@@ -342,11 +347,12 @@ class Tier:
     def adopt(self, states: Iterable[tuple]) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
         return every (key, state) of ``states`` as a dict, those entries reduced to
-        ``step``. Each state is written as it comes, so only one file-placed parameter's
-        state is in RAM at a time. Raises before any change: the pages go to the next
-        generation, which only the final publish commits."""
+        ``step``. Each state is written as it comes (built from the loaded tensors as they
+        are, where it needs no conversion: restore's ``kept``), so only one file-placed
+        parameter's state is in RAM at a time. Raises before any change: the pages go to
+        the next generation, which only the final publish commits."""
         self._check_open()
-        out, written, kept = {}, {}, set()
+        out, written, maps = {}, {}, Mappings()
         with self.lock:
             self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones
@@ -358,9 +364,10 @@ class Tier:
                     self.new_state(p)
                 files = self._files[p]
                 generation = self._committed.get(files.index, (0, 0))[0] + 1
-                self._write_state(files, state, generation)
+                self._write_state(files, state, generation, maps)
                 written[p] = (files.index, generation, int(state["step"].item()))
                 out[p] = FiledState(step=state["step"])
+                del state  # before the next one is built: one parameter's state at a time
             # Parameters the checkpoint has no state for start fresh, as in torch.
             kept = {self._files[p].index for p in out if isinstance(p, torch.Tensor)
                     and p in self._files}
@@ -370,13 +377,22 @@ class Tier:
             self._committed = committed
         return out
 
-    def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
+    def _write_state(self, files: ParamFiles, state: dict, generation: int,
+                     maps: Optional[Mappings] = None) -> None:
+        """Write ``state`` page by page into ``generation``; where a tensor of it lies in a
+        file mapping (a checkpoint loaded with mmap=True, read as it is), each page read
+        from it is handed back, so the mapping holds one page of it at a time."""
         buffer = self.stream.ring(self.layout)[0]
+        flat = {key: value.reshape(-1) for key, value in state.items() if key != "step"}
+        mapped = {key for key, value in flat.items() if maps is not None and maps.holds(value)}
         for k in range(files.num_pages):
             start, numel = files.page(k)
             for key, view in files.layout.views(buffer, numel).items():
                 first = start // FP8_BLOCK if key.endswith("_scale") else start
-                view.copy_(state[key].reshape(-1)[first:first + view.numel()])
+                source = flat[key][first:first + view.numel()]
+                view.copy_(source)
+                if key in mapped:
+                    release_pages(source)
             file, offset = files.locate(k, generation)
             self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
 

@@ -1,4 +1,4 @@
-"""The peak host RAM of checkpoints: a save or a load adds at most the largest parameter's state beyond what torch.optim.AdamW adds on the same path.
+"""Peak host RAM of checkpoints: a save or a load adds at most the largest parameter's state beyond torch.optim.AdamW.
 
 Each phase runs in a fresh process, measured as benchmarks/bench_checkpoint.py measures it
 (VmHWM reset right before the phase; a load ends with the state resident), on 4 bf16

@@ -136,6 +136,21 @@ def test_load_of_a_mapped_file_copies_it_out_and_resumes_bit_for_bit(precision, 
         assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
 
 
+def test_where_mappings_cannot_be_read_every_tensor_is_copied(monkeypatch):
+    # Outside Linux (no /proc/self/maps) a load cannot tell a mapped file from memory of its
+    # own: it copies everything, and resumes the same.
+    from adambridge.host import mapped
+    monkeypatch.setattr(mapped, "MAPS", "/nonexistent/maps")
+    model, opt = _trained("bf16", torch.bfloat16)
+    loaded = _roundtrip(opt.state_dict())
+    opt2 = AdamBridge(_model(torch.bfloat16).parameters(), lr=1e-3, precision="bf16")
+    opt2.load_state_dict(loaded)
+    for p, q in zip(model.parameters(), opt2.param_groups[0]["params"]):
+        held = {v.data_ptr() for v in loaded["state"][opt.param_index[p]].values()}
+        assert not _memory(opt2.state[q]) & held
+        assert all(torch.equal(opt2.state[q][k], opt.state[p][k]) for k in STATE_KEYS[:3])
+
+
 # --------------------------------------------------------------------------- torch.optim.AdamW
 
 

@@ -7,6 +7,7 @@ file-placed state, writes it into the files and lets it go before building the n
 """
 from __future__ import annotations
 
+import importlib
 import io
 import weakref
 
@@ -17,9 +18,10 @@ from torch import nn
 from adambridge import AdamBridge
 from adambridge.host.alloc import HUGE_PAGE
 from adambridge.nvme.layout import PageLayout
-from adambridge.nvme.tier import OffloadConfig, Tier
+from adambridge.nvme.tier import OffloadConfig
 
 SIZES = (300, 1000, 4097)
+restore = importlib.import_module("adambridge.checkpoint.restore")
 
 
 def _params(dtype=torch.bfloat16):
@@ -59,9 +61,9 @@ def test_host_memory_bytes_has_no_nvme_buffers_without_the_tier():
     assert opt.host_memory_bytes()["nvme_buffers"] == 0
 
 
-def test_load_writes_each_file_placed_state_before_building_the_next(tmp_path, monkeypatch):
+def test_load_lets_each_file_placed_state_go_before_building_the_next(tmp_path, monkeypatch):
     # fp32 moments loaded into bf16 ones: every built state is new (a conversion), so a
-    # state still alive when the next one is written would be one held beside it.
+    # state still alive when the next one is built is one held beside it.
     params = _params()
     source = AdamBridge(params, precision="fp32")
     _step(params, source)
@@ -71,17 +73,18 @@ def test_load_writes_each_file_placed_state_before_building_the_next(tmp_path, m
     loaded = torch.load(buffer, weights_only=True)
     opt = AdamBridge(_params(), precision="bf16", offload_dir=OffloadConfig([tmp_path],
                      page_size=256), host_budget=0)
-    written, alive_at_each_write = [], []
-    original = Tier._write_state
+    built, alive_at_each_build = [], []
+    original = restore.build_state
 
-    def recording(self, files, state, generation):
-        alive_at_each_write.append(sum(ref() is not None for ref in written))
-        written.append(weakref.ref(state["exp_avg"]))
-        original(self, files, state, generation)
+    def recording(*args, **kwargs):
+        alive_at_each_build.append(sum(ref() is not None for ref in built))
+        state = original(*args, **kwargs)
+        built.append(weakref.ref(state["exp_avg"]))
+        return state
 
-    monkeypatch.setattr(Tier, "_write_state", recording)
+    monkeypatch.setattr(restore, "build_state", recording)
     opt.load_state_dict(loaded)
-    assert alive_at_each_write == [0] * len(SIZES)
+    assert alive_at_each_build == [0] * len(SIZES)
     for i, p in enumerate(opt.param_groups[0]["params"]):
         state = opt.state_dict()["state"][i]
         assert torch.equal(state["exp_avg"], loaded["state"][i]["exp_avg"].bfloat16())

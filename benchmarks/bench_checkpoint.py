@@ -220,7 +220,7 @@ def run_phase(spec: dict) -> dict:
         _step(model, opt)
     _warm_up(spec)
     _settle()
-    before = _kib("VmRSS")
+    before, file_before = _kib("VmRSS"), _kib("RssFile")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # VmHWM restarts from the current RSS
     began = time.perf_counter()
@@ -235,7 +235,10 @@ def run_phase(spec: dict) -> dict:
     if spec["phase"] == "load":  # the steady state it loaded: the state, the tier's buffers
         memory = opt.host_memory_bytes() if hasattr(opt, "host_memory_bytes") else {}
         state = _state_bytes(opt) + memory.get("nvme_buffers", 0)
-    return {"extra": peak - before - state, "seconds": seconds, "state": state}
+    # what the phase left mapped from files (a checkpoint read with mmap=True, say)
+    mapped = _kib("RssFile") - file_before
+    return {"extra": peak - before - state, "seconds": seconds, "state": state,
+            "mapped": mapped}
 
 
 def _child(spec: dict) -> None:
@@ -279,7 +282,8 @@ def measure(spec: dict, timeout_s: float = 600.0) -> dict:
         return next(r for r in results if "error" in r)
     return {"extra": max(r["extra"] for r in results),
             "seconds": max(r["seconds"] for r in results),
-            "state": sum(r["state"] for r in results)}
+            "state": sum(r["state"] for r in results),
+            "mapped": max(r["mapped"] for r in results)}
 
 
 def _size(path: str) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _validation as check
-from ..host.mapped import Mappings, pieces, release_pages
+from ..host.mapped import Mappings
 from ..update import codecs, state as host_state
 from .saved import GROUP_META, MAX_STEP, NATIVE_KEYS, OURS
 
@@ -248,8 +248,7 @@ def _decodes_to(stored: dict, torch_form: dict, maps: Mappings) -> bool:
     same = (same_bits(m.to(torch_form["exp_avg"].dtype), torch_form["exp_avg"])
             and same_bits(v.to(torch_form["exp_avg_sq"].dtype), torch_form["exp_avg_sq"]))
     for tensor in (*stored.values(), *torch_form.values()):
-        if maps.holds(tensor):
-            release_pages(tensor)
+        maps.release(tensor)
     return same
 
 
@@ -267,7 +266,7 @@ def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional
     checkpoint) is taken when float32 holds each of its values exactly."""
     if value.dtype not in (torch.float32, torch.float64):
         return None
-    ends = [torch.aminmax(piece) for _, piece in pieces(value.reshape(-1), maps)
+    ends = [torch.aminmax(piece) for _, piece in maps.pieces(value.reshape(-1))
             if piece.numel()]
     if not all(math.isfinite(end) for pair in ends for end in pair):
         # NOTE: min and max, one pass with no temporary, are inf or NaN exactly when an
@@ -286,6 +285,5 @@ def _checked_master(index: int, value: torch.Tensor, maps: Mappings) -> Optional
         raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: float64 "
                          f"values that float32 does not hold exactly (e.g. {inexact!r}); the "
                          f"master is float32: save it as float32")
-    if maps.holds(value):
-        release_pages(value)  # read again, a piece at a time, when it is taken
+    maps.release(value)  # read again, a piece at a time, when it is taken
     return value

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..host.alloc import collapse_huge_pages, host_empty
-from ..host.mapped import Mappings, pieces, release_pages, storage_shared
+from ..host.mapped import Mappings, storage_shared
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .checks import Checked, check_groups, check_layout, checked_entry, saved_meta
@@ -75,7 +75,7 @@ class Taker:
             return flat
         flat = value.view(-1) if value.is_contiguous() else value.reshape(-1)
         out = host_empty(span[1] - span[0], dtype)
-        for start, piece in pieces(flat[span[0]:span[1]], self.maps):
+        for start, piece in self.maps.pieces(flat[span[0]:span[1]]):
             out[start:start + piece.numel()].copy_(piece)
         return out
 
@@ -136,8 +136,7 @@ def _convert_moments(state: dict, checked: Checked, precision: str, span: tuple,
         m, v = host_state.decode_moments(source)
     host_state.encode_moments(state, m, v, precision)
     for value in checked.moments.values():
-        if maps.holds(value):
-            release_pages(value)
+        maps.release(value)
 
 
 class Restored:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..host.mapped import Mappings, release_pages
+from ..host.mapped import Mappings
 from ..update import state as host_state
 from .saved import NATIVE_KEYS, OURS
 
@@ -62,9 +62,7 @@ def _decode_entry(key: Any, entry: dict, dtype: torch.dtype, maps: Mappings) -> 
     m, v = host_state.decode_moments(stored)
     entry["exp_avg"], entry["exp_avg_sq"] = m.to(dtype).view(shape), v.to(dtype).view(shape)
     for k in NATIVE_KEYS:
-        value = entry.pop(OURS + k)
-        if maps.holds(value):
-            release_pages(value)
+        maps.release(entry.pop(OURS + k))
 
 
 def refuse_unconverted(optimizer: Any, args: Any, kwargs: Any) -> None:

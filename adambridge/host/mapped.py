@@ -4,9 +4,9 @@ A checkpoint loaded with ``mmap=True`` holds its tensors in a private mapping of
 The optimizer must not keep such a tensor as its state: a later ``torch.save`` to the same
 path truncates and rewrites the file, and the kernel then drops or replaces the mapped pages
 (even those the process already wrote), so the state would change under it or fault. A load
-copies such tensors into host memory instead, one parameter at a time, and hands the pages it
-has read back to the kernel (``MADV_PAGEOUT``, which keeps their contents: a clean page is
-read again from the file if touched), so the mapping never holds more than one parameter.
+copies such tensors into host memory instead, 8 MiB at a time, and hands the pages it has
+read back to the kernel (``MADV_PAGEOUT``, which keeps their contents: a clean page is read
+again from the file if touched), so the mapping never holds more than a few MiB of it.
 
 Linux only reads its mappings (``/proc/self/maps``); elsewhere every tensor counts as mapped,
 so loads copy (correct, at the cost of memory) and no page is handed back.
@@ -20,10 +20,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from .alloc import _libc
+from .alloc import HUGE_PAGE, _libc
 
 MAPS = "/proc/self/maps"
-PAGE = 4096
 _MADV_PAGEOUT = 21  # Linux 5.4+; older kernels answer EINVAL and keep the pages
 
 
@@ -37,21 +36,54 @@ class Mappings:
         self._starts: list[int] = []
         self._ends: list[int] = []
         if self.known:
-            for start, end in sorted(_file_ranges(maps_path)):
-                self._starts.append(start)
+            for first, end in sorted(_file_ranges(maps_path)):
+                self._starts.append(first)
                 self._ends.append(end)
 
+    def _around(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """(start, end) of the file mapping holding ``tensor``'s first byte, or None."""
+        address = tensor.untyped_storage().data_ptr()
+        i = bisect.bisect_right(self._starts, address) - 1
+        return (self._starts[i], self._ends[i]) if i >= 0 and self._ends[i] > address else None
+
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether any byte of ``tensor`` (a CPU tensor) lies in a file mapping; True where
-        this system does not say."""
+        """Whether ``tensor`` (a CPU tensor) lies in a file mapping; True where this system
+        does not say."""
         if not self.known:
             return True
-        nbytes = tensor.untyped_storage().nbytes()
-        start = tensor.untyped_storage().data_ptr()
-        if nbytes == 0:
-            return False
-        i = bisect.bisect_right(self._starts, start + nbytes - 1) - 1
-        return i >= 0 and self._ends[i] > start
+        return tensor.untyped_storage().nbytes() > 0 and self._around(tensor) is not None
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Hand the pages under ``tensor`` back to the kernel if it lies in a file mapping;
+        their contents stay (MADV_PAGEOUT drops a clean page, to be read again from the
+        file if touched, and writes nothing away that it cannot read back).
+
+        NOTE: the page cache may hold a file in large folios (2 MiB), which MADV_PAGEOUT
+        skips unless its range covers the whole folio; so the range is widened to 2 MiB
+        boundaries, within the file mapping: a neighbour's clean pages handed back with it
+        are only read again. A no-op where the kernel or the system lacks it."""
+        libc = _libc()
+        around = self._around(tensor) if self.known and libc is not None else None
+        if around is None or tensor.numel() == 0:
+            return
+        first = max(tensor.data_ptr() // HUGE_PAGE * HUGE_PAGE, around[0])
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        end = min(-(-end // HUGE_PAGE) * HUGE_PAGE, around[1])
+        if end > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_PAGEOUT)
+
+    def pieces(self, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, piece) over flat tensor ``flat``: all of it at once, or, where it lies
+        in a file mapping, 8 MiB at a time, each piece's pages handed back once the caller
+        is done with it (so reading a mapped tensor holds 8 MiB of it, not all of it)."""
+        if not self.holds(flat):
+            yield 0, flat
+            return
+        step = max(1, PIECE // flat.element_size())
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            yield start, piece
+            self.release(piece)
 
 
 def _file_ranges(maps_path: str) -> list[tuple[int, int]]:
@@ -66,36 +98,7 @@ def _file_ranges(maps_path: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def release_pages(tensor: torch.Tensor) -> None:
-    """Hand the whole pages under a mapped tensor back to the kernel; their contents stay
-    (MADV_PAGEOUT writes nothing away that it cannot read back). A no-op where the kernel
-    or the system lacks it."""
-    libc = _libc()
-    nbytes = tensor.numel() * tensor.element_size()
-    if libc is None or nbytes < PAGE:
-        return
-    start = tensor.data_ptr()
-    first = -(-start // PAGE) * PAGE
-    length = (start + nbytes - first) // PAGE * PAGE
-    if length > 0:
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_PAGEOUT)
-
-
 PIECE = 8 << 20  # bytes of a mapped tensor read before its pages are handed back
-
-
-def pieces(flat: torch.Tensor, maps: Mappings) -> Iterator[tuple[int, torch.Tensor]]:
-    """(start, piece) over flat tensor ``flat``: all of it at once, or, where it lies in a
-    file mapping, 8 MiB at a time, each piece's pages handed back once the caller is done
-    with it (so reading a mapped tensor holds 8 MiB of it, not all of it)."""
-    if not maps.holds(flat):
-        yield 0, flat
-        return
-    step = max(1, PIECE // flat.element_size())
-    for start in range(0, flat.numel(), step):
-        piece = flat[start:start + step]
-        yield start, piece
-        release_pages(piece)
 
 
 def storage_shared(tensor: torch.Tensor) -> bool:

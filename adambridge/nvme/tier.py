@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
-from ..host.mapped import Mappings, release_pages
+from ..host.mapped import Mappings
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
@@ -384,15 +384,14 @@ class Tier:
         from it is handed back, so the mapping holds one page of it at a time."""
         buffer = self.stream.ring(self.layout)[0]
         flat = {key: value.reshape(-1) for key, value in state.items() if key != "step"}
-        mapped = {key for key, value in flat.items() if maps is not None and maps.holds(value)}
         for k in range(files.num_pages):
             start, numel = files.page(k)
             for key, view in files.layout.views(buffer, numel).items():
                 first = start // FP8_BLOCK if key.endswith("_scale") else start
                 source = flat[key][first:first + view.numel()]
                 view.copy_(source)
-                if key in mapped:
-                    release_pages(source)
+                if maps is not None:
+                    maps.release(source)  # a no-op unless it lies in a file mapping
             file, offset = files.locate(k, generation)
             self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
 

@@ -66,6 +66,14 @@ def test_checkpoint_peak_is_within_one_parameter_of_adamw(peaks, path, phase, pr
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_mmap_load_leaves_no_pages_of_the_file_mapped(peaks, precision):
+    # Each piece read from the mapping is handed back (MADV_PAGEOUT, widened to whole
+    # large folios): what stays mapped after the load is a piece or two, not a parameter.
+    ours = peaks[0]["mmap", "load", precision]
+    assert ours["mapped"] <= 16 << 20, f"{ours['mapped'] / 2**20:.1f} MiB left mapped"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_checkpoint_file_holds_the_state_once(peaks, precision):
     from adambridge.update.state import HOST_BYTES_PER_PARAM
     _, files = peaks

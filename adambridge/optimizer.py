@@ -653,11 +653,10 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 state[key] = value  # not a parameter's: kept as is, as torch does
             elif value and self._shard_group is None and key in self._param_index:
                 index = self._param_index[key]  # (else taken out of param_groups: not saved)
+                copied = None  # every saved tensor is a view of the state's own
                 if key in filed:
                     value = filed[key]  # a file-backed state: its committed tensors
                     copied = "keeps its state in the NVMe tier's files, read into copies"
-                else:
-                    copied = checkpoint.copied_because(key, value)
                 state[index] = fsdp.saved_entry(key, value)
                 handed.append((index, key, copied))
         if self._shard_group is not None:  # a collective: the whole state, on every rank
@@ -683,12 +682,15 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         precision, tuned = autotune.resumed(self, state_dict)
         try:
             if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
-                new_state, new_groups, meta = zero.restore(self, state_dict)
+                restored = zero.restore(self, state_dict)
             else:
-                new_state, new_groups, meta = fsdp.restore(state_dict, self.param_groups,
-                                                                   params, precision, self._handed)
+                restored = fsdp.restore(state_dict, self.param_groups, params, precision,
+                                        self._handed, own=self.state.get)
+            # Checked whole; built one parameter at a time (file-placed ones into the files).
             if self._tier is not None:
-                new_state = self._tier.adopt(new_state)  # file-placed states go into files
+                new_state = self._tier.adopt(restored.states(kept=self._tier.keeps_in_ram))
+            else:
+                new_state = dict(restored.states())
         except BaseException:
             if self._handed is not None and self._handed.written():
                 self._in_place_refusal = checkpoint.REFUSED_AFTER_IN_PLACE
@@ -702,9 +704,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             self.state[key] = value
             if isinstance(key, torch.Tensor):
                 self._layout[key] = (key.shape, key.dtype)
-        self.param_groups = new_groups
+        self.param_groups = restored.groups
         self._index_params()
-        self.seed = meta.get("seed", self.seed)
+        self.seed = restored.meta.get("seed", self.seed)
         if tuned is not None and self._shard_group is None:
             self._precision = precision
             self._tuner.load_state_dict(tuned)

@@ -245,20 +245,19 @@ def saved_entry(p: torch.Tensor, state: dict) -> dict:
 
 
 def restore(state_dict: Any, groups: list, params: list, precision: str,
-            handed: Any = None) -> tuple:
+            handed: Any = None, own: Any = None) -> Any:
     """checkpoint.restore, where each DTensor parameter stands for its local shard.
 
     The checkpoint's DTensor entries are brought to the parameter's placements (DCP already
-    did when it loaded them) and taken as their local tensors, so the checks and the rebuilt
-    state are the shard's; the state comes back keyed by the DTensor parameter.
+    did when it loaded them) and taken as their local tensors, so the checks and the built
+    state are the shard's; the states come back keyed by the DTensor parameters.
     """
     if not any(is_dtensor(p) for p in params):
-        return checkpoint.restore(state_dict, groups, params, precision, handed)
-    locals_ = [local_of(p).detach() if is_dtensor(p) else p for p in params]
-    back = {id(t): p for t, p in zip(locals_, params)}
+        return checkpoint.restore(state_dict, groups, params, precision, handed=handed,
+                                  own=own)
+    shards = [local_of(p).detach() if is_dtensor(p) else p for p in params]
     state_dict = dict(state_dict, state=_localized(state_dict, params))
-    new_state, new_groups, meta = checkpoint.restore(state_dict, groups, locals_, precision)
-    return {back.get(id(k), k): v for k, v in new_state.items()}, new_groups, meta
+    return checkpoint.restore(state_dict, groups, params, precision, own=own, shards=shards)
 
 
 def _localized(state_dict: Any, params: list) -> Any:

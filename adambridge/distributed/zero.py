@@ -14,10 +14,12 @@ is keyed by the element's index in the whole parameter and the bits equal the un
 optimizer's, whatever N.
 
 Checkpoints: ``state_dict()`` is a collective (every rank calls it) that gathers the whole
-state, in the unsharded layout, on every rank; ``load_state_dict()`` takes that layout
-(ours, an unsharded AdamBridge's or torch AdamW's) and keeps this rank's ranges. So a
-checkpoint saved on N ranks (plain torch.save or torch.distributed.checkpoint) loads on any
-M, sharded or not. Both peak at one whole copy of the state per rank while they run.
+state, in the unsharded layout, on every rank (a batch of parameters per exchange);
+``load_state_dict()`` takes that layout (ours, an unsharded AdamBridge's or torch AdamW's)
+and builds this rank's ranges only, one parameter at a time. So a checkpoint saved on N
+ranks (plain torch.save or torch.distributed.checkpoint) loads on any M, sharded or not.
+A save holds the whole state per rank while it runs; a load, the loaded dict (all of it
+from ``torch.load``, this rank's ranges of it with ``mmap=True``).
 
 Asynchronous mode (``attach_hooks`` on a DDP model) is distributed/zero_async.py: the ranges are
 updated in backward from DDP's reduced buckets, and ``step()`` runs this module's
@@ -288,31 +290,50 @@ def _piece_numel(key: str, start: int, end: int) -> int:
     return end - start
 
 
+_GATHER_BYTES = 64 << 20  # a save's exchanges move at most this much, or one parameter
+
+
 def saved_state(opt: OptimizerDoor) -> dict:
-    """{index: entry} of every parameter with state, whole (a collective: every rank calls)."""
+    """{index: entry} of every parameter with state, whole (a collective: every rank calls).
+
+    The whole state is gathered on every rank (the checkpoint's form); the exchanges go a
+    batch of parameters at a time, so the buffers beside it stay within one batch."""
     g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     steps = torch.tensor([float(opt.state[p]["step"].item()) if opt.state.get(p) else -1.0
                           for p in params], dtype=torch.float64, device=g.device)
     g.dist.all_reduce(steps, op=g.dist.ReduceOp.MAX, group=g.group)
-    held = [p for p, s in zip(params, steps.tolist()) if s >= 0]
+    held = [(p, step) for p, step in zip(params, steps.tolist()) if step >= 0]
+    per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
+    out, batch, batch_bytes = {}, [], 0.0
+    for p, step in held:  # the same batches on every rank: they depend on shapes only
+        if batch and batch_bytes + per_param * p.numel() > _GATHER_BYTES:
+            out.update(_gathered(opt, g, batch))
+            batch, batch_bytes = [], 0.0
+        batch.append((p, step))
+        batch_bytes += per_param * p.numel()
+    if batch:
+        out.update(_gathered(opt, g, batch))
+    return out
+
+
+def _gathered(opt: OptimizerDoor, g: _Group, batch: list) -> dict:
+    """{index: whole entry} of the (parameter, step) pairs of ``batch``: one exchange."""
     keys = _state_keys(opt.precision)
-    sizes = [[(_piece_numel(k, a, b), d) for p in held for a, b in [g.range(opt, p, r)]
+    sizes = [[(_piece_numel(k, a, b), d) for p, _ in batch for a, b in [g.range(opt, p, r)]
               if b > a for k, d in keys] for r in range(g.world)]
-    local = [opt.state[p][k] for p in held for a, b in [g.range(opt, p)] if b > a
+    local = [opt.state[p][k] for p, _ in batch for a, b in [g.range(opt, p)] if b > a
              for k, _ in keys]
     pieces = exchange(g, sizes, local, g.device)
     by_rank = [iter(rank_pieces) for rank_pieces in pieces]
     parts: dict = {}
-    for p in held:
+    for p, _ in batch:
         for rank in range(g.world):
             a, b = g.range(opt, p, rank)
             if b > a:
                 parts[p, rank] = {k: next(by_rank[rank]) for k, _ in keys}
     out = {}
-    for p, step in zip(params, steps.tolist()):
-        if step < 0:
-            continue
+    for p, step in batch:
         owners = [r for r in _owners_in_order(opt.index(p), g.world) if (p, r) in parts]
         whole = {k: torch.cat([parts[p, r][k] for r in owners]).cpu() for k, _ in keys}
         whole["step"] = torch.tensor(step, dtype=torch.float32)
@@ -320,33 +341,13 @@ def saved_state(opt: OptimizerDoor) -> dict:
     return out
 
 
-def restore(opt: OptimizerDoor, state_dict: Any) -> tuple:
-    """checkpoint.restore of a whole (unsharded-layout) checkpoint, kept to this rank's
-    ranges; nothing is changed before every value is checked."""
+def restore(opt: OptimizerDoor, state_dict: Any) -> Any:
+    """checkpoint.restore of a whole (unsharded-layout) checkpoint, whose states() build this
+    rank's ranges only: a range is copied or converted out of the loaded tensors, never a
+    whole parameter's state. Nothing is changed before every value is checked."""
     g = _Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
-    new_state, new_groups, meta = checkpoint.restore(state_dict, opt.param_groups, params,
-                                                     opt.precision)
     index = {p: i for i, p in enumerate(params)}
-    ranged = {}
-    for key, value in new_state.items():
-        if not isinstance(key, torch.Tensor):
-            ranged[key] = value
-            continue
-        start, end = chunk_range(key.numel(), index[key], g.rank, g.world)
-        if start < end:
-            ranged[key] = _kept(key, value, start, end)
-    return ranged, new_groups, meta
-
-
-def _kept(p: torch.Tensor, state: dict, start: int, end: int) -> dict:
-    kept = {"step": state["step"]}
-    for key, value in state.items():
-        if key == "step":
-            continue
-        if key == "master" and _aliases(p):
-            kept[key] = p.detach().view(-1)[start:end]
-            continue
-        first, last = (_blocks(start, end) if key.endswith("_scale") else (start, end))
-        kept[key] = value[first:last].clone()  # a copy: the whole tensor is freed
-    return kept
+    return checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
+                              span_of=lambda p: chunk_range(p.numel(), index[p], g.rank,
+                                                            g.world))

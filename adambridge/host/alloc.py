@@ -13,6 +13,7 @@ import torch
 
 HUGE_PAGE = 2 << 20  # bytes of one transparent huge page (x86-64, arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux 6.1+
 
 
 @lru_cache(maxsize=None)
@@ -25,6 +26,17 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
+def _huge_interior(tensor: torch.Tensor, min_bytes: int) -> Optional[tuple]:
+    """(address, length) of the whole huge pages inside a tensor of at least ``min_bytes``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < min_bytes:
+        return None
+    start = tensor.data_ptr()
+    aligned = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    length = (start + nbytes - aligned) // HUGE_PAGE * HUGE_PAGE
+    return (aligned, length) if length > 0 else None
+
+
 def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 2 * HUGE_PAGE) -> None:
     """Ask Linux to back a large buffer with transparent huge pages (before first touch):
     the whole huge pages inside it, if it has at least ``min_bytes``.
@@ -32,15 +44,23 @@ def advise_huge_pages(tensor: torch.Tensor, min_bytes: int = 2 * HUGE_PAGE) -> N
     NOTE: without huge pages the update's reads fall from ~31 to ~22 GB/s on the
     reference VM (docs/architecture.md); THP is often in 'madvise' mode, so we must ask.
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    libc = _libc()
-    if libc is None or nbytes < min_bytes:
+    libc, interior = _libc(), _huge_interior(tensor, min_bytes)
+    if libc is not None and interior is not None:
+        libc.madvise(ctypes.c_void_p(interior[0]), ctypes.c_size_t(interior[1]), _MADV_HUGEPAGE)
+
+
+def collapse_huge_pages(tensor: torch.Tensor) -> None:
+    """Put a large buffer that is already written (a loaded checkpoint's tensor, kept as the
+    state) on transparent huge pages now, one huge page at a time (MADV_COLLAPSE copies each
+    and frees the small pages); where the kernel cannot (before Linux 6.1, no free huge
+    page), advise them, for khugepaged to collapse in its own time (which, at its default
+    pace of 16 MiB per 10 s, can take hours for a large state)."""
+    libc, interior = _libc(), _huge_interior(tensor, 2 * HUGE_PAGE)
+    if libc is None or interior is None:
         return
-    start = tensor.data_ptr()
-    aligned = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    length = (start + nbytes - aligned) // HUGE_PAGE * HUGE_PAGE
-    if length > 0:
-        libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    address, length = ctypes.c_void_p(interior[0]), ctypes.c_size_t(interior[1])
+    libc.madvise(address, length, _MADV_HUGEPAGE)  # also keeps them huge past a collapse
+    libc.madvise(address, length, _MADV_COLLAPSE)
 
 
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -71,6 +71,9 @@ class AlignedBuffer:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = align_up(nbytes)
+        # What the buffer holds in RAM once written: on huge pages, whole 2 MiB pages.
+        self.resident_bytes = self.nbytes if self.nbytes < _HUGE_BUFFER else \
+            -(-self.nbytes // HUGE_PAGE) * HUGE_PAGE
         self._map, start = _huge_page_map(self.nbytes)
         self.memory = memoryview(self._map)[start:start + self.nbytes]
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[start:start + self.nbytes]

@@ -19,10 +19,11 @@ import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
+from ..host.mapped import Mappings
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
@@ -137,6 +138,10 @@ class Tier:
     def holds(self, p: torch.Tensor) -> bool:
         self._place()
         return self._where.get(p) == "file"
+
+    def keeps_in_ram(self, p: Any) -> bool:
+        """Whether p's state is kept in RAM (not a file-placed parameter's)."""
+        return not (isinstance(p, torch.Tensor) and self.holds(p))
 
     def placement(self) -> list[Placed]:
         self._place()
@@ -309,6 +314,14 @@ class Tier:
         stats.io_write_bytes += written
         stats.io_wait_s += wait_s
 
+    def host_bytes(self) -> int:
+        """Host bytes the tier holds beside the in-RAM states: its ring of aligned page
+        buffers (allocated at the first stream, page records for O_DIRECT I/O) and the
+        staging of each file-placed parameter's new weights until a step commits."""
+        ring = sum(buffer.resident_bytes for buffer in self.stream.buffers)
+        staging = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return ring + staging
+
     # -- checkpoints
 
     def committed_states(self) -> dict:
@@ -331,39 +344,54 @@ class Tier:
                     states[p] = read_state(files, buffer, generation, step)
         return states
 
-    def adopt(self, new_state: dict) -> dict:
+    def adopt(self, states: Iterable[tuple]) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
-        return new_state with those entries reduced to ``step``. Raises before any change."""
+        return every (key, state) of ``states`` as a dict, those entries reduced to
+        ``step``. Each state is written as it comes (built from the loaded tensors as they
+        are, where it needs no conversion: restore's ``kept``), so only one file-placed
+        parameter's state is in RAM at a time. Raises before any change: the pages go to
+        the next generation, which only the final publish commits."""
         self._check_open()
+        out, written, maps = {}, {}, Mappings()
         with self.lock:
             self._check_claims()
             self.pool.wait(self._renamed)  # the slots written below may be the committed ones
-            written = {}
-            for p, state in new_state.items():
-                if not self.holds(p):
+            for p, state in states:
+                if not isinstance(p, torch.Tensor) or not self.holds(p):
+                    out[p] = state
                     continue
                 if p not in self._files:
                     self.new_state(p)
                 files = self._files[p]
                 generation = self._committed.get(files.index, (0, 0))[0] + 1
-                self._write_state(files, state, generation)
+                self._write_state(files, state, generation, maps)
                 written[p] = (files.index, generation, int(state["step"].item()))
+                out[p] = FiledState(step=state["step"])
+                del state  # before the next one is built: one parameter's state at a time
             # Parameters the checkpoint has no state for start fresh, as in torch.
-            kept = {self._files[p].index for p in new_state if p in self._files}
+            kept = {self._files[p].index for p in out if isinstance(p, torch.Tensor)
+                    and p in self._files}
             committed = {i: v for i, v in self._committed.items() if i in kept}
             committed.update({i: (gen, step) for i, gen, step in written.values()})
             self._publish(committed, [f for p in written for f in self._files[p].files])
             self._committed = committed
-        return {p: (FiledState(step=s["step"]) if p in written else s)
-                for p, s in new_state.items()}
+        return out
 
-    def _write_state(self, files: ParamFiles, state: dict, generation: int) -> None:
+    def _write_state(self, files: ParamFiles, state: dict, generation: int,
+                     maps: Optional[Mappings] = None) -> None:
+        """Write ``state`` page by page into ``generation``; where a tensor of it lies in a
+        file mapping (a checkpoint loaded with mmap=True, read as it is), each page read
+        from it is handed back, so the mapping holds one page of it at a time."""
         buffer = self.stream.ring(self.layout)[0]
+        flat = {key: value.reshape(-1) for key, value in state.items() if key != "step"}
         for k in range(files.num_pages):
             start, numel = files.page(k)
             for key, view in files.layout.views(buffer, numel).items():
                 first = start // FP8_BLOCK if key.endswith("_scale") else start
-                view.copy_(state[key].reshape(-1)[first:first + view.numel()])
+                source = flat[key][first:first + view.numel()]
+                view.copy_(source)
+                if maps is not None:
+                    maps.release(source)  # a no-op unless it lies in a file mapping
             file, offset = files.locate(k, generation)
             self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
 

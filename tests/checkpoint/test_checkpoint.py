@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from adambridge import AdamBridge
+from adambridge.checkpoint import to_torch_adamw
 from adambridge.update import state as host_state
 from adambridge.update.state import NUMERICS_VERSION
 
@@ -159,7 +160,7 @@ def test_our_checkpoint_steps_in_torch_adamw_as_ours_in_fp32(precision, backend)
 
     ref_params, ours_params = _fp32_params(params), _fp32_params(params)
     ref = torch.optim.AdamW(ref_params, lr=0.5)  # lr and the rest come from the checkpoint
-    ref.load_state_dict(saved)
+    ref.load_state_dict(to_torch_adamw(_roundtrip(saved)))  # decodes fp8, a no-op else
     ours = AdamBridge(ours_params, lr=0.5, precision="fp32", backend=backend)
     ours.load_state_dict(saved)
     for p in ref_params:  # what torch expects: moments in the parameter's shape and dtype
@@ -182,7 +183,7 @@ def test_our_checkpoint_saved_again_by_torch_loads_from_torchs_form(precision):
     _run(params, opt, _fixed_grads(3, seed=1))
     ref_params = _fp32_params(params)
     ref = torch.optim.AdamW(ref_params)
-    ref.load_state_dict(_roundtrip(opt.state_dict()))  # casts every float tensor
+    ref.load_state_dict(to_torch_adamw(_roundtrip(opt.state_dict())))  # casts every float tensor
     again = AdamBridge(_fp32_params(params), precision=precision, backend="torch")
     again.load_state_dict(_roundtrip(ref.state_dict()))
     for p, q in zip(params, again.param_groups[0]["params"]):
@@ -227,7 +228,11 @@ VALUE_ERRORS = [
     dict(desc="an int32 master", mutate=lambda sd: sd["state"][0].update(
         master=sd["state"][0]["master"].int()), match=r"'master' of parameter 0: dtype torch.int32"),
     dict(desc="an int moment", mutate=lambda sd: sd["state"][1].update(
-        exp_avg=sd["state"][1]["exp_avg"].int()), match=r"'exp_avg' of parameter 1: dtype torch.int32"),
+        ab_exp_avg=sd["state"][1]["ab_exp_avg"].int()),
+         match=r"'ab_exp_avg' of parameter 1: dtype torch.int32"),
+    dict(desc="an int torch moment beside ours", mutate=lambda sd: sd["state"][1].update(
+        exp_avg=torch.zeros(300, dtype=torch.int32), exp_avg_sq=torch.zeros(300)),
+         match=r"'exp_avg' of parameter 1: dtype torch.int32"),
     dict(desc="missing betas", mutate=lambda sd: sd["param_groups"][0].pop("betas"),
          match=r"param_groups\[0\] lacks 'betas'"),
     dict(desc="missing state", mutate=lambda sd: sd.pop("state"), match=r"Checkpoint lacks 'state'"),
@@ -316,6 +321,8 @@ def test_torch_cast_of_ab_step_to_fp16_is_not_an_error():
     p.grad = torch.ones_like(p)
     opt.step()
     saved = opt.state_dict()
+    torch_form = to_torch_adamw(copy.deepcopy(saved))["state"][0]  # as AdamW would hold it
+    saved["state"][0].update(exp_avg=torch_form["exp_avg"], exp_avg_sq=torch_form["exp_avg_sq"])
     saved["state"][0]["step"] = torch.tensor(70000.0)
     saved["state"][0]["ab_step"] = torch.tensor(70000).half()  # inf, as torch's load casts it
     saved["state"][0]["ab_exp_avg"] = torch.zeros_like(saved["state"][0]["ab_exp_avg"])

@@ -150,11 +150,12 @@ def test_resume_in_async_mode_is_bit_for_bit(precision, dtype, way, tmp_path):
     assert_same_run(*resume_case(precision, dtype, way, "async", tmp_path))
 
 
-def test_flattened_stored_moments_converted_by_dcp_are_not_taken(tmp_path):
-    # An fp8 checkpoint's codes, loaded by DCP into a bf16 optimizer's stored moments of fp32
-    # parameters (DCP converts dtypes), do not decode to the torch form beside them: the
-    # resume converts the checkpoint's torch form instead, as for any other precision.
-    options = dsd.StateDictOptions(flatten_optimizer_state_dict=True)
+@pytest.mark.parametrize("flatten", [False, True])
+def test_fp8_codes_into_another_precision_by_dcp_are_decoded_by_the_planner(flatten, tmp_path):
+    # An fp8 checkpoint holds codes and scales only; a bf16 optimizer's dict wants exp_avg:
+    # DCP's default planner names the missing key, adambridge.dcp.LoadPlanner decodes the
+    # codes into it, rounded to nearest as load_state_dict() converts them.
+    options = dsd.StateDictOptions(flatten_optimizer_state_dict=flatten)
     model = model_of(torch.float32)
     opt = AdamBridge(model.parameters(), lr=1e-3, precision="fp8", seed=7)
     train(model, opt, 3, seed=1)
@@ -163,7 +164,9 @@ def test_flattened_stored_moments_converted_by_dcp_are_not_taken(tmp_path):
     resumed = model_of(torch.float32)
     opt2 = AdamBridge(resumed.parameters(), lr=1e-3, precision="bf16", seed=7)
     target = {"optim": dsd.get_optimizer_state_dict(resumed, opt2, options=options)}
-    dcp.load(target, checkpoint_id=str(tmp_path))
+    with pytest.raises(dcp.api.CheckpointException, match=r"Missing key .*exp_avg"):
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=LoadPlanner())
     dsd.set_optimizer_state_dict(resumed, opt2, target["optim"], options=options)
     for p, q in zip(model.parameters(), resumed.parameters()):
         m, v = host_state.decode_moments(opt.state[p])

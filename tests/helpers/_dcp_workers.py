@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 import _distributed_workers as workers
 
 TIMEOUT_S = 240.0
-# (precision, parameter dtype): torch's form is the stored one in the first and the last; the
-# middle one saves decoded copies beside its stored bf16 moments.
+# (precision, parameter dtype): the middle one saves bf16 moments of fp32 parameters, which
+# torch.optim.AdamW casts to fp32 on its load; every saved tensor is the state's own in all.
 CONFIGS = (("fp32", torch.float32), ("bf16", torch.float32), ("bf16", torch.bfloat16))
 WAYS = ("get/set_optimizer_state_dict", "get/set_state_dict", "Stateful", "in place")
 

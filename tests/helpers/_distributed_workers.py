@@ -384,6 +384,8 @@ def zero_save(rank: int, world: int, out_dir: str) -> dict:
     """2 steps, a DCP checkpoint and a whole one (torch.save), then 2 more steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as sd
+    from adambridge.distributed import zero
+    zero._GATHER_BYTES = 1  # one parameter per exchange, as the batches of a large state go
     result = {}
     for dtype in DCP_DTYPES:
         model = make_model(dtype)

@@ -1,0 +1,92 @@
+"""The NVMe tier's host memory: what host_memory_bytes() counts, and checkpoint loads that stream into the files.
+
+``opt.host_memory_bytes()["nvme_buffers"]`` is the tier's ring of aligned page buffers
+(queue_depth + 1 page records, whole huge pages once a record spans 256 KiB) plus each
+file-placed parameter's staging of its new weights. ``load_state_dict()`` builds each
+file-placed state, writes it into the files and lets it go before building the next.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from adambridge import AdamBridge
+from adambridge.host.alloc import HUGE_PAGE
+from adambridge.nvme.layout import PageLayout
+from adambridge.nvme.tier import OffloadConfig
+
+SIZES = (300, 1000, 4097)
+restore = importlib.import_module("adambridge.checkpoint.restore")
+
+
+def _params(dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(3)
+    return [nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in SIZES]
+
+
+def _step(params, opt, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+
+
+@pytest.mark.parametrize("page_size,precision", [(256, "fp8"), (1 << 18, "fp32")])
+def test_host_memory_bytes_counts_the_page_ring_and_the_staging(tmp_path, page_size,
+                                                               precision):
+    params = _params()
+    config = OffloadConfig([tmp_path], page_size=page_size, queue_depth=3)
+    opt = AdamBridge(params, precision=precision, offload_dir=config, host_budget=0)
+    assert opt.host_memory_bytes()["nvme_buffers"] == 0  # nothing streamed yet
+    _step(params, opt)
+    record = PageLayout(precision, page_size).record_bytes
+    resident = record if record < (256 << 10) else -(-record // HUGE_PAGE) * HUGE_PAGE
+    staging = sum(p.numel() * p.element_size() for p in params)
+    memory = opt.host_memory_bytes()
+    assert memory["nvme_buffers"] == (config.queue_depth + 1) * resident + staging
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    assert memory["state"] == 0  # every state is in the files
+    opt.nvme_tier.close()
+
+
+def test_host_memory_bytes_has_no_nvme_buffers_without_the_tier():
+    params = _params()
+    opt = AdamBridge(params)
+    _step(params, opt)
+    assert opt.host_memory_bytes()["nvme_buffers"] == 0
+
+
+def test_load_lets_each_file_placed_state_go_before_building_the_next(tmp_path, monkeypatch):
+    # fp32 moments loaded into bf16 ones: every built state is new (a conversion), so a
+    # state still alive when the next one is built is one held beside it.
+    params = _params()
+    source = AdamBridge(params, precision="fp32")
+    _step(params, source)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    opt = AdamBridge(_params(), precision="bf16", offload_dir=OffloadConfig([tmp_path],
+                     page_size=256), host_budget=0)
+    built, alive_at_each_build = [], []
+    original = restore.build_state
+
+    def recording(*args, **kwargs):
+        alive_at_each_build.append(sum(ref() is not None for ref in built))
+        state = original(*args, **kwargs)
+        built.append(weakref.ref(state["exp_avg"]))
+        return state
+
+    monkeypatch.setattr(restore, "build_state", recording)
+    opt.load_state_dict(loaded)
+    assert alive_at_each_build == [0] * len(SIZES)
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        state = opt.state_dict()["state"][i]
+        assert torch.equal(state["exp_avg"], loaded["state"][i]["exp_avg"].bfloat16())
+        assert torch.equal(state["master"], loaded["state"][i]["master"])
+    opt.nvme_tier.close()

@@ -89,8 +89,9 @@ def validate(precision: str, directory: Path, args) -> None:
     for p, q in zip(ram_params, tier_params):
         assert torch.equal(p, q), "tier params differ from in-RAM params"
     for i in ram_state:
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ram_state[i][key].float(), tier_state[i][key].float()), (i, key)
+        assert ram_state[i].keys() == tier_state[i].keys(), i
+        for key, value in ram_state[i].items():  # every stored value (fp8: codes and scales)
+            assert torch.equal(value, tier_state[i][key]), (i, key)
     for name in os.listdir(directory):
         os.unlink(directory / name)
 

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 
 from adambridge import AdamBridge
+from adambridge.checkpoint import to_torch_adamw
 from adambridge.dcp import LoadPlanner
 
 from ._twins import (MODES, PRECISIONS, adamw_twin, assert_elements_close, assert_identical,
@@ -136,14 +137,17 @@ def _save(opt, model, way: str, path) -> None:
         dcp.save({"optim": dsd.get_optimizer_state_dict(model, opt)}, checkpoint_id=str(path))
 
 
-def _load(opt, model, way: str, path) -> None:
+def _load(opt, model, way: str, path, fp8_into_adamw: bool = False) -> None:
+    """``fp8_into_adamw``: the documented conversion of fp8 moments' codes for AdamW
+    (docs/checkpoints.md, "torch.optim.AdamW and fp8 moments")."""
     if way == "torch.save":
-        opt.load_state_dict(torch.load(path / "optim.pt", weights_only=True))
+        loaded = torch.load(path / "optim.pt", weights_only=True)
+        opt.load_state_dict(to_torch_adamw(loaded) if fp8_into_adamw else loaded)
         return
     target = {"optim": dsd.get_optimizer_state_dict(model, opt)}
     # AdamW's checkpoint lacks AdamBridge's own keys: adambridge's planner lets exactly those
-    # be absent (DCP's default one refuses them); loading into AdamW needs nothing special.
-    planner = LoadPlanner() if isinstance(opt, AdamBridge) else None
+    # be absent (DCP's default one refuses them) and decodes fp8 codes into AdamW's moments.
+    planner = LoadPlanner() if isinstance(opt, AdamBridge) or fp8_into_adamw else None
     dcp.load(target, checkpoint_id=str(path), planner=planner)
     dsd.set_optimizer_state_dict(model, opt, target["optim"])
 
@@ -221,7 +225,7 @@ def test_low_bit_checkpoint_gives_adamw_the_decoded_moments(precision, way, tmp_
     _save(opt, model, way, tmp_path)
     other = copy.deepcopy(model)
     adamw = torch.optim.AdamW(other.parameters(), lr=1e-3)
-    _load(adamw, other, way, tmp_path)
+    _load(adamw, other, way, tmp_path, fp8_into_adamw=precision == "fp8")
     for i, (p, q) in enumerate(zip(model.parameters(), other.parameters())):
         m, v = _decoded(opt.state[p], precision)
         assert_identical([adamw.state[q]["exp_avg"].reshape(-1), adamw.state[q]["exp_avg_sq"]

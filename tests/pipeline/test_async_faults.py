@@ -52,6 +52,18 @@ def _opt(model, **kw):
     return AdamBridge(model.parameters(), lr=1e-2, backend="torch", small_param_threshold=0, **kw)
 
 
+def _past_the_held_first_step():
+    """A model with hooks after its first step (held: from the second on, updates start
+    during backward), and the input it trained on."""
+    model = Net()
+    opt = _opt(model)
+    opt.attach_hooks(model)
+    x = torch.randn(2, 16)
+    model(x).backward()
+    opt.step()
+    return model, opt, x
+
+
 def _settle(opt):
     for lane in opt.pipeline.lanes.values():  # the worker has handled what was queued
         lane.wait(lane.call(lambda: None))
@@ -59,12 +71,7 @@ def _settle(opt):
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
 def test_fault_interrupted_backward_fails_the_next_step_naming_the_updated(exc):
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()  # the held first step: from now on updates start during backward
+    model, opt, x = _past_the_held_first_step()
     opt.zero_grad()
     with pytest.raises(exc, match="simulated"):
         model(x, exc).backward()
@@ -96,12 +103,7 @@ def test_fault_interrupted_first_step_changes_nothing():
 
 @pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt, MemoryError])
 def test_fault_worker_exception_of_any_kind_fails_one_step_only(monkeypatch, exc):
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()
+    model, opt, x = _past_the_held_first_step()
     real = worker.adamw_update
 
     def failing(items, backend):
@@ -120,12 +122,7 @@ def test_fault_worker_exception_of_any_kind_fails_one_step_only(monkeypatch, exc
 
 
 def test_fault_dead_worker_thread_is_replaced_at_the_next_step():
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()
+    model, opt, x = _past_the_held_first_step()
     lane = next(iter(opt.pipeline.lanes.values()))
     lane.stop()  # the worker thread ends, as if killed
     assert not lane.thread.is_alive()
@@ -141,12 +138,7 @@ def test_fault_dead_worker_thread_is_replaced_at_the_next_step():
 
 
 def test_fault_detach_during_a_step_removes_the_hooks_and_says_what_it_dropped(caplog):
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()
+    model, opt, x = _past_the_held_first_step()
     opt.zero_grad()
     model(x).backward()
     _settle(opt)
@@ -201,12 +193,7 @@ def test_memory_flat_over_5000_steps_with_the_cyclic_gc_off():
 def test_fault_hung_kernel_call_is_bounded_and_names_the_worker(monkeypatch):
     import threading
     from adambridge.pipeline import late_work
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()
+    model, opt, x = _past_the_held_first_step()
     release = threading.Event()
     real = worker.adamw_update
 
@@ -269,12 +256,7 @@ def test_fault_ctrl_c_in_the_first_hook_of_a_backward_fails_the_step(monkeypatch
     # had registered the pass, used to leave a silent partial step: the next step() raised
     # nothing and sent that one parameter's gradient, still in p.grad, as a straggler.
     from adambridge.pipeline import cuda_policy, hooks
-    model = Net()
-    opt = _opt(model)
-    opt.attach_hooks(model)
-    x = torch.randn(2, 16)
-    model(x).backward()
-    opt.step()  # past the held first step
+    model, opt, x = _past_the_held_first_step()
     opt.zero_grad()
     calls = []
 
@@ -328,12 +310,7 @@ def test_fault_ctrl_c_at_every_call_of_a_backward_never_leaves_a_silent_partial_
     import sys
     line, probed = 1, 0
     while True:
-        model = Net()
-        opt = _opt(model)
-        opt.attach_hooks(model)
-        x = torch.randn(2, 16)
-        model(x).backward()
-        opt.step()  # past the held first step
+        model, opt, x = _past_the_held_first_step()
         opt.zero_grad()
         trace, seen = _interrupt_at(line)
         sys.settrace(trace)

@@ -99,7 +99,9 @@ if [ ! -d "$site/torch" ]; then
         networkx jinja2 fsspec   # not numpy: it calls crealf, which wine 8.0 lacks
 fi
 say "this package as a wheel"
-rm -rf "$work/pkg" "$work/dist"
+# setuptools stages the wheel in the checkout's build/ and keeps what is there: a module
+# deleted since the last build would still ship (build/ is ignored, made again each time)
+rm -rf "$work/pkg" "$work/dist" "$repo/build"
 python -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/dist" "$repo"
 python -m pip install --quiet --no-deps --target "$work/pkg" "$work"/dist/adambridge-*.whl
 printf 'python313.zip\n.\n%s\n%s\n' "$(winpath "$work/pkg")" "$(winpath "$site")" > "$py/python313._pth"

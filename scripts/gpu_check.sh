@@ -6,8 +6,8 @@
 #
 # Budget: under 8 minutes, enforced per part by `timeout` and overall by a deadline; a hung
 # test dumps every thread's stack (tests/gpu/conftest.py) and only its file stops. Writes
-# at most 11 files into OUT_DIR, each as it goes: versions.txt (versions, native build,
-# `python -m adambridge info`), gpu_tests.log, junit_{pipeline,grad_views,ordering,capture}.xml,
+# into OUT_DIR, each as it goes: versions.txt (versions, native build,
+# `python -m adambridge info`), gpu_tests.log, junit_NAME.xml for each tests/gpu/test_cuda_NAME.py,
 # bench_step_gpu.{md,json}, plan.txt (the plan for the benchmark's model on this card and
 # host, its predicted step times and GPU memory beside the measured ones, and --check's
 # host update), plan_memory.{txt,json} (the plan's gradients and activations of one async
@@ -65,13 +65,13 @@ run_part 60 "$OUT_DIR/versions.txt" "$PYTHON" -c \
   'from adambridge._native import loader; loader.load(); print("native kernel: built")'
 run_part 30 "$OUT_DIR/versions.txt" "$PYTHON" -m adambridge info
 
-# One process per file: a hang (or an aborted graph capture) stops only its own file.
-for name in pipeline grad_views ordering capture; do
-  case $name in pipeline) limit=90;; grad_views) limit=60;; ordering) limit=150;;
-    capture) limit=40;; esac
+# One process per file, every tests/gpu/test_cuda_*.py (found, not listed, so a new file is
+# never left out): a hang (or an aborted graph capture) stops only its own file.
+for file in tests/gpu/test_cuda_*.py; do
+  name=$(basename "$file" .py); name=${name#test_cuda_}
+  case $name in pipeline) limit=90;; ordering) limit=150;; *) limit=60;; esac
   run_part "$limit" "$OUT_DIR/gpu_tests.log" "$PYTHON" -m pytest -m gpu \
-    "tests/gpu/test_cuda_$name.py" -v -rs -p no:cacheprovider \
-    --junitxml="$OUT_DIR/junit_$name.xml"
+    "$file" -v -rs -p no:cacheprovider --junitxml="$OUT_DIR/junit_$name.xml"
 done
 
 run_part 110 "$OUT_DIR/bench_step_gpu.md" "$PYTHON" benchmarks/bench_step.py --preset gpu \

@@ -5,6 +5,7 @@ profiler's allocation records), and adambridge.plan.measure's dry path (what
 scripts/gpu_check.sh runs on a GPU)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import weakref
 from pathlib import Path
@@ -233,6 +234,18 @@ def test_memory_gpu_check_script_parses_and_runs_the_measure_step():
     assert done.returncode == 0, done.stderr
     text = script.read_text(encoding="utf-8")
     assert '-m adambridge.plan.measure --json "$OUT_DIR/plan_memory.json"' in text
+
+
+def test_gpu_check_runs_every_file_of_gpu_tests():
+    # gpu_check.sh runs tests/gpu/test_cuda_*.py, found by the glob: every test marked gpu
+    # must live in such a file, or no GPU run would ever reach it (two once did not).
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text(encoding="utf-8")
+    assert "for file in tests/gpu/test_cuda_*.py; do" in text
+    uses = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*pytest\.mark\.gpu\b)",
+                      re.MULTILINE)
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                    if uses.search(p.read_text(encoding="utf-8")))
+    assert marked and all(m.startswith("tests/gpu/test_cuda_") for m in marked), marked
 
 
 # ---------------------------------------------------------------------------- the docs' figures

@@ -15,23 +15,10 @@ import torch
 
 from adambridge import AdamBridge
 
+from ._resume_model import cuda_model as _model, train as _train
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(5)
-    return torch.nn.Sequential(torch.nn.Linear(9, 300), torch.nn.ReLU(),
-                               torch.nn.Linear(300, 3)).to("cuda", torch.bfloat16)
-
-
-def _train(model, opt, steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        opt.zero_grad()
-        x = torch.randn(16, 9, generator=gen).to("cuda", torch.bfloat16)
-        model(x).float().pow(2).mean().backward()
-        opt.step()
 
 
 @pytest.mark.parametrize("map_location", ["cpu", "cuda"])

@@ -13,25 +13,12 @@ import torch
 
 from adambridge import AdamBridge
 
+from ._resume_model import cuda_model as _model, train as _train
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 lightning = pytest.importorskip("lightning", reason="needs lightning (test extra)")
 from lightning.fabric.utilities.optimizer import _optimizer_to_device  # noqa: E402
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(5)
-    return torch.nn.Sequential(torch.nn.Linear(9, 300), torch.nn.ReLU(),
-                               torch.nn.Linear(300, 3)).to("cuda", torch.bfloat16)
-
-
-def _train(model, opt, steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        opt.zero_grad()
-        x = torch.randn(16, 9, generator=gen).to("cuda", torch.bfloat16)
-        model(x).float().pow(2).mean().backward()
-        opt.step()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])

@@ -86,6 +86,22 @@ def _scale_in_place(model, params, step, log):
             p.grad.mul_(0.25)
 
 
+def _project_flat(model, params, step, log):
+    # PCGrad-style: every gradient flattened into one vector, projected off a direction it
+    # opposes, copied back piece by piece; the flat norm and a finiteness check logged
+    grads = [p for p in params if p.grad is not None]
+    flat = torch.cat([p.grad.reshape(-1) for p in grads])
+    direction = torch.randn(flat.shape, generator=torch.Generator().manual_seed(step))
+    dot = torch.dot(flat, direction)
+    if dot < 0:
+        flat = flat - dot / direction.dot(direction) * direction
+    offset = 0
+    for p in grads:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    log.append((flat.norm(), bool(torch.isfinite(flat).all().item())))
+
+
 def _noise(model, params, step, log):
     gen = torch.Generator().manual_seed(200 + step)
     for p in params:
@@ -137,6 +153,7 @@ LOOPS = [
     Loop("gradient assigned after backward (p.grad = masked)", _assign_masked),
     Loop("gradient scaled in place (p.grad.mul_)", _scale_in_place),
     Loop("noise added in place", _noise),
+    Loop("flattened, projected and copied back (PCGrad)", _project_flat),
     Loop("mask in place (masked_fill_)", _mask_in_place),
     Loop("manual unscale through p.grad.data", _manual_unscale),
     Loop("the loop logs each gradient's norm", _log_norms),

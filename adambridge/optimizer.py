@@ -656,7 +656,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                 copied = None  # every saved tensor is a view of the state's own
                 if key in filed:
                     value = filed[key]  # a file-backed state: its committed tensors
-                    copied = "keeps its state in the NVMe tier's files, read into copies"
+                    copied = "keeps its state in the NVMe tier's files, which its entries read"
                 state[index] = fsdp.saved_entry(key, value)
                 handed.append((index, key, copied))
         if self._shard_group is not None:  # a collective: the whole state, on every rank

@@ -19,6 +19,7 @@ import torch
 
 from ..host.alloc import collapse_huge_pages, host_empty
 from ..host.mapped import Mappings, storage_shared
+from ..host.sourced import plain
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .checks import Checked, check_groups, check_layout, checked_entry, saved_meta
@@ -205,6 +206,8 @@ def restore(state_dict: Any, groups: list, params: list, precision: str, *,
                 entry = {k: v for k, v in entry.items() if not (isinstance(v, dict) and not v)}
                 if handed is not None:
                     entry = handed.stored_of(keys[saved_id], entry)
+                # An NVMe tier's state_dict() entries read its files: their values, here.
+                entry = {k: plain(v) for k, v in entry.items()}
             checked[saved_id] = checked_entry(position[saved_id], entry, by_id[saved_id],
                                               meta.get("precision"), maps)
     return Restored(_new_groups(saved_groups, groups), meta, order, checked, keys, by_id,

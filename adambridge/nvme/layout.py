@@ -102,6 +102,12 @@ class ParamFiles:
         local = k // len(self.files)
         return file, (2 * local + generation % 2) * self.layout.record_bytes
 
+    def part_shapes(self) -> list[tuple[str, torch.dtype, int]]:
+        """(state key, dtype, elements) of each tensor of this parameter's state."""
+        return [(key, dtype, self.numel if count == self.layout.page_size
+                 else codecs.fp8_num_blocks(self.numel))
+                for key, dtype, count, _ in self.layout.parts]
+
     def check_sizes(self) -> None:
         for file in self.files:
             file.check_size()
@@ -188,14 +194,27 @@ def read_committed(offload_dir: os.PathLike | str) -> dict[int, dict]:
     return states
 
 
+def _returned_when_freed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor in a mapping of its own, unmapped when it is freed.
+
+    NOTE: a save reads the file-placed state one parameter at a time and lets each go; from
+    malloc, freed blocks of a few MiB stay in the heap (glibc raises its mmap threshold to
+    the size of the last one freed, up to 32 MiB) and the next reads fragment it, so the
+    process kept several parameters' worth. A mapping of its own goes back at once."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < (1 << 20):
+        return torch.empty(numel, dtype=dtype)
+    memory = platform_facts.anonymous_map(nbytes)
+    return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(dtype)
+
+
 def read_state(files: ParamFiles, buffer: AlignedBuffer, generation: int, step: int) -> dict:
     """One parameter's state at ``generation``, read page by page into fresh host tensors."""
     files.check_sizes()
     layout = files.layout
     state = {"step": torch.tensor(float(step), dtype=torch.float32)}
-    for key, dtype, count, _ in layout.parts:
-        total = files.numel if count == layout.page_size else codecs.fp8_num_blocks(files.numel)
-        state[key] = torch.empty(total, dtype=dtype)
+    for key, dtype, total in files.part_shapes():
+        state[key] = _returned_when_freed(total, dtype)
     for k in range(files.num_pages):
         start, numel = files.page(k)
         file, offset = files.locate(k, generation)

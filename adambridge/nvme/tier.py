@@ -28,6 +28,7 @@ from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
 from .engine import open_engine
+from .filed import Pinned, filed_state, keep_values
 from .direct_io import (IOEngine, TierError, check_claim, claim_directory, lock_directory,
                         release_lock)
 from .layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
@@ -83,6 +84,11 @@ class Tier:
         self._where: dict[torch.Tensor, str] = {}
         self._files: dict[torch.Tensor, ParamFiles] = {}
         self._committed: dict[int, tuple[int, int]] = {}   # index -> (generation, step)
+        # How often each (index, slot) has been written: a state_dict() entry pinned to a
+        # generation reads only while its slot's count is the one it saw (nvme/filed.py).
+        self._slot_writes: dict[tuple[int, int], int] = defaultdict(int)
+        self._pinned_read: Optional[tuple[Pinned, dict]] = None  # read, not yet taken
+        self._live_parts: weakref.WeakSet = weakref.WeakSet()  # state_dict() entries alive
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
         self.stream = PageStream(self.pool)
         self._landed: dict[Any, list] = defaultdict(list)  # async: pieces per job
@@ -90,7 +96,7 @@ class Tier:
         self._last_commit_s: Optional[float] = None
         self._renamed: Optional[Future] = None  # the directory fsync of the last publish
         self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
-                                           self._files)
+                                           self._files, self._live_parts)
 
     def close(self) -> None:
         """Release the files and directory locks now instead of when the tier is collected
@@ -218,6 +224,8 @@ class Tier:
                     ring = self.stream.ring(self.layout)
                     job.adopt = not master_is_rounding(self.pool, job.files, ring[0],
                                                        job.generation, job.source)
+            for job in jobs:
+                self._writing(job.files.index, job.generation + 1)
             host_s = self.stream.run(self._opt(), jobs, backend, self._renamed)
             committed = dict(self._committed)
             for job in jobs:
@@ -316,23 +324,26 @@ class Tier:
 
     def host_bytes(self) -> int:
         """Host bytes the tier holds beside the in-RAM states: its ring of aligned page
-        buffers (allocated at the first stream, page records for O_DIRECT I/O) and the
-        staging of each file-placed parameter's new weights until a step commits."""
+        buffers (allocated at the first stream, page records for O_DIRECT I/O), the
+        staging of each file-placed parameter's new weights until a step commits, and the
+        tensors of a parameter that a state_dict() read has not taken yet."""
         ring = sum(buffer.resident_bytes for buffer in self.stream.buffers)
         staging = sum(t.numel() * t.element_size() for t in self._staging.values())
-        return ring + staging
+        pinned = self._pinned_read
+        waiting = 0 if pinned is None else sum(t.nbytes for t in pinned[1].values())
+        return ring + staging + waiting
 
     # -- checkpoints
 
     def committed_states(self) -> dict:
-        """{p: its committed state as in-RAM tensors} for every file-backed parameter.
+        """{p: its committed state} for every file-backed parameter, each tensor read from
+        the files when something reads it (nvme/filed.py): nothing is read here.
 
         Holding the lock waits for any step still writing (the checkpoint race of DeepSpeed
         #7549): a checkpoint is always of committed generations, never of pages in flight."""
         self._check_open()
         states = {}
         with self.lock:
-            buffer = self.stream.ring(self.layout)[0]
             for p, files in self._files.items():
                 generation, step = self._committed.get(files.index, (0, 0))
                 if generation == 0:  # made, never committed: as a fresh in-RAM state
@@ -341,8 +352,45 @@ class Tier:
                 else:
                     # The committed step, not state["step"]: a step that has just committed
                     # advances that only after releasing the lock.
-                    states[p] = read_state(files, buffer, generation, step)
+                    states[p] = filed_state(self, files, generation, step, self._live_parts)
         return states
+
+    def slot_epoch(self, index: int, generation: int) -> int:
+        """How often the slot of parameter ``index`` that ``generation`` lives in has been
+        written (by steps and loads)."""
+        return self._slot_writes[index, generation % 2]
+
+    def _writing(self, index: int, generation: int) -> None:
+        """Pages of ``generation`` are about to be written: the entries pinned to the
+        generation two before it (the same slot) can no longer be read."""
+        slot = generation % 2
+        keep_values(part for part in self._live_parts if part.pinned.files.index == index
+                    and part.pinned.generation % 2 == slot)
+        self._slot_writes[index, slot] += 1
+        if self._pinned_read is not None and self._pinned_read[0].files.index == index:
+            self._pinned_read = None
+
+    def read_pinned(self, pinned: Pinned, key: str) -> torch.Tensor:
+        """Tensor ``key`` of a pinned parameter, read from its generation's pages; the
+        parameter's other tensors, read with it, wait here until taken."""
+        self._check_open()
+        with self.lock:  # waits for a step still writing
+            if self.slot_epoch(pinned.files.index, pinned.generation) != pinned.epoch:
+                # (_writing keeps the values of every live entry first: a bug if it ever runs)
+                raise RuntimeError(
+                    f"adambridge: this state_dict() entry of parameter {pinned.files.index} "
+                    f"(step {pinned.step}) was in the NVMe tier's files, which later steps or "
+                    f"loads have rewritten; call opt.state_dict() again right before saving")
+            held = self._pinned_read
+            if held is None or held[0] is not pinned or key not in held[1]:
+                buffer = self.stream.ring(pinned.files.layout)[0]
+                state = read_state(pinned.files, buffer, pinned.generation, pinned.step)
+                del state["step"]
+                held = self._pinned_read = (pinned, state)
+            value = held[1].pop(key)
+            if not held[1]:
+                self._pinned_read = None
+            return value
 
     def adopt(self, states: Iterable[tuple]) -> dict:
         """load_state_dict: write the file-placed states into their files and commit them;
@@ -364,6 +412,7 @@ class Tier:
                     self.new_state(p)
                 files = self._files[p]
                 generation = self._committed.get(files.index, (0, 0))[0] + 1
+                self._writing(files.index, generation)
                 self._write_state(files, state, generation, maps)
                 written[p] = (files.index, generation, int(state["step"].item()))
                 out[p] = FiledState(step=state["step"])
@@ -424,7 +473,7 @@ def _separate(out: Optional[torch.Tensor], p: torch.Tensor) -> bool:
     return out is not None and out.data_ptr() != p.data_ptr()
 
 
-def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
+def _close(pool: IOEngine, lock_fds: list, files: dict, live_parts: Any) -> None:
     # NOTE: a finalizer runs wherever the cyclic GC happens to run, including inside
     # threading's own bookkeeping while it holds its locks (a new thread registering itself
     # in Thread._set_tstate_lock); joining a thread there waits for one of those locks
@@ -432,8 +481,11 @@ def _close(pool: IOEngine, lock_fds: list, files: dict) -> None:
     # left to exit; nothing of theirs can still be queued once the tier is unreachable but
     # the directory fsync of the last commit, which they finish.
     pool.close(join=False)
-    for param_files in files.values():
-        param_files.close()
+    try:
+        keep_values(live_parts)  # state_dict() entries still alive keep their values
+    finally:
+        for param_files in files.values():
+            param_files.close()
     for fd in lock_fds:
         release_lock(fd)
 

@@ -46,6 +46,8 @@ PATHS = {
     "dcp": (1, True, True, "dcp"),
     "nvme": (1, True, True, "nvme"),
     "nvme_mmap": (1, False, True, "nvme"),
+    "nvme_stream": (1, True, False, "nvme_stream"),
+    "nvme_dcp": (1, True, False, "nvme_dcp"),
     "shard_state": (2, True, True, "shard_state"),
     "shard_state_mmap": (2, False, True, "shard_state"),
     "fsdp2": (2, True, True, "fsdp2"),
@@ -57,6 +59,8 @@ TITLES = {
     "dcp": "DCP get_/set_optimizer_state_dict + dcp.save / dcp.load",
     "nvme": "NVMe tier (offload_dir, host_budget=0): torch.save / torch.load",
     "nvme_mmap": "NVMe tier: opt.load_state_dict(torch.load(f, mmap=True))",
+    "nvme_stream": "NVMe tier: adambridge.checkpoint.save(opt.state_dict(), f)",
+    "nvme_dcp": "NVMe tier: dcp.save(get_optimizer_state_dict)",
     "shard_state": "shard_state=True, 2 gloo ranks: torch.save / torch.load",
     "shard_state_mmap": "shard_state=True, 2 gloo ranks: torch.load(f, mmap=True)",
     "fsdp2": "FSDP2 (fully_shard), 2 gloo ranks: DCP get_/set_",
@@ -157,6 +161,9 @@ def _save(spec: dict, model, opt) -> None:
         saved = opt.state_dict()  # a collective under shard_state
         if spec["rank"] == 0:
             torch.save(saved, target)
+    elif path == "nvme_stream":
+        from adambridge.checkpoint import save
+        save(opt.state_dict(), target)
     elif path == "dcp_own":
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=target)
     else:
@@ -192,7 +199,7 @@ def _warm_up(spec: dict) -> None:
     torch.save(opt.state_dict(), target)
     loaded = torch.load(target, weights_only=True, mmap=spec["path"].endswith("mmap"))
     _optimizer(tiny, model).load_state_dict(loaded)
-    if spec["path"] in ("dcp", "dcp_own", "fsdp2"):
+    if spec["path"] in ("dcp", "dcp_own", "fsdp2", "nvme_dcp"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)

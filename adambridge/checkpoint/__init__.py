@@ -13,6 +13,8 @@ See docs/checkpoints.md.
   one parameter's state at a time, adopting loaded tensors where nothing else holds them.
 - in_place.py: a checkpoint loaded in place into the last state_dict() (``HandedOut``).
 - torch_adamw.py: ``to_torch_adamw``, what torch.optim.AdamW needs to load fp8 moments.
+- stream_file.py: ``save``, torch.save's file written one tensor at a time (the NVMe tier's
+  entries, read from its files, are never all in RAM at once).
 
 Checkpoints written before the moments were saved once (torch's decoded form beside our
 stored ``ab_`` moments, in every precision) load as they did: the stored moments are taken
@@ -23,4 +25,5 @@ from .in_place import NOT_OURS_STEP, REFUSED_AFTER_IN_PLACE, HandedOut  # noqa: 
 from .restore import Restored, restore, written_entry  # noqa: F401
 from .saved import (GROUP_META, HYPERPARAMETERS, NATIVE_KEYS, OURS, group_meta,  # noqa: F401
                     saved_entry, torch_group_flags, torch_takes)
+from .stream_file import save  # noqa: F401
 from .torch_adamw import to_torch_adamw  # noqa: F401

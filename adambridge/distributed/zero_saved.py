@@ -112,6 +112,14 @@ class RankPiece(torch.Tensor):
         return (f"RankPiece(shape={tuple(self.shape)}, dtype={self.dtype}, rank {self.rank}'s "
                 f"elements [{self.start}, {self.end}))")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # NOTE: torch.save of a tensor subclass pickles its attributes: it would write this
+        # rank's piece under the whole shape, a file that looks whole and is not.
+        raise TypeError(f"An entry of opt.sharded_state_dict() holds only rank {self.rank}'s "
+                        f"elements [{self.start}, {self.end}) of a {tuple(self.shape)} tensor "
+                        f"and is not pickled; save it with torch.distributed.checkpoint, or "
+                        f"torch.save(opt.state_dict()) (a gathered copy)")
+
     def _box(self, offsets: tuple) -> torch.Tensor:
         sizes, at = self._boxes[offsets]
         numel = 1
@@ -139,7 +147,11 @@ class RankPiece(torch.Tensor):
         if offsets not in self._boxes:
             raise ValueError(f"{index.fqn}: rank {self.rank} holds no chunk at {offsets} "
                              f"(its chunks: {sorted(self._boxes)})")
-        return self._box(offsets)
+        # NOTE: DCP's writer clones a tensor whose storage is larger than it (torch.save
+        # writes whole storages), which a box of a piece always is but for a range of whole
+        # rows: measured 4 B/param on a save. A DLPack alias of the box has a storage of
+        # exactly its bytes, the same memory: written as it is, and loaded into in place.
+        return torch.from_dlpack(self._box(offsets))
 
 
 # --------------------------------------------------------------------------- the save

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import io
 import os
 import sys
 from pathlib import Path
@@ -104,6 +105,10 @@ def ranks(rank: int, world: int, out_dir: str) -> dict:
                 sharded["state"][0]["master"] + 1
             except RuntimeError as error:
                 out["aten_error"] = str(error)
+            try:
+                torch.save(sharded, io.BytesIO())
+            except TypeError as error:
+                out["save_error"] = str(error)
         dcp.save({"model": _model(params), "optim": sharded}, checkpoint_id=path)
         gathered = opt.state_dict()
         dcp.save({"optim": gathered}, checkpoint_id=os.path.join(out_dir, f"{precision}-gathered"))
@@ -208,11 +213,11 @@ def test_sharded_checkpoint_loads_into_torch_adamw(launched, precision):
             assert a.dtype == b.dtype and torch.equal(a, b), key
 
 
-def test_an_operation_on_a_sharded_entry_is_one_line(launched):
+def test_an_operation_or_torch_save_of_a_sharded_entry_is_one_line(launched):
     for rank, result in enumerate(launched[0]):
-        error = result["aten_error"]
-        assert "\n" not in error and f"rank {rank}'s elements" in error, error
-        assert "torch.distributed.checkpoint" in error and "opt.state_dict()" in error
+        for error in (result["aten_error"], result["save_error"]):
+            assert "\n" not in error and f"rank {rank}'s elements" in error, error
+            assert "torch.distributed.checkpoint" in error and "opt.state_dict()" in error
         assert result["repr"].startswith("RankPiece(shape=(7, 300)")
 
 
@@ -226,7 +231,7 @@ def test_sharded_state_dict_without_shard_state_is_one_line():
 # --------------------------------------------------------------------------- memory
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_checkpoint.py"
-WIDTH, LAYERS = 2048, 4  # 16.8M bf16 parameters, each layer a quarter
+WIDTH, LAYERS = 2049, 4  # 16.8M bf16 parameters, each layer a quarter; ranges split rows
 SLACK = 12 << 20  # as tests/checkpoint/test_checkpoint_memory.py: what does not grow
 
 

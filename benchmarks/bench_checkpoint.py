@@ -175,9 +175,9 @@ def _load(spec: dict, model, opt) -> None:
     path, source = spec["path"], _file(spec)
     if path in ("torch", "nvme", "shard_state") or path.endswith("mmap"):
         opt.load_state_dict(torch.load(source, weights_only=True, mmap=path.endswith("mmap")))
-    elif path == "shard_state_dcp" and spec["optimizer"] != "adamw":
+    elif path == "shard_state_dcp":  # AdamW: its own state_dict(), as it was saved
         _zero_lr_step(model, opt)  # the state to load into, as get_optimizer_state_dict makes
-        osd = opt.sharded_state_dict()
+        osd = opt.state_dict() if spec["optimizer"] == "adamw" else opt.sharded_state_dict()
         dcp.load({"optim": osd}, checkpoint_id=source)
         opt.load_state_dict(osd)
     else:

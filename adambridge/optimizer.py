@@ -623,6 +623,37 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
 
         See adambridge/checkpoint.py and docs/checkpoints.md for the keys.
         """
+        return self._state_dict(sharded=False)
+
+    def sharded_state_dict(self) -> dict:
+        """shard_state=True: state_dict()'s dict for torch.distributed.checkpoint, holding
+        this rank's ranges only (a collective: every rank calls it).
+
+        The keys, shapes and dtypes are state_dict()'s, so the checkpoint is the one a
+        gathered save writes and loads wherever that one loads (an unsharded AdamBridge,
+        torch.optim.AdamW, shard_state on any number of ranks). Each per-element entry
+        (``master``, the moments, fp8 codes and scales) is a tensor of the whole shape
+        that holds this rank's range of it, a view of the state (no copy);
+        ``step`` and ``ab_step`` are plain. Any operation on such an entry but DCP's is
+        refused: read it through DCP, or call state_dict() for a gathered copy::
+
+            dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=path)
+            sd = opt.sharded_state_dict()
+            dcp.load({"optim": sd}, checkpoint_id=path)
+            opt.load_state_dict(sd)
+
+        ``dcp.load`` writes into the state itself, so a load with no load_state_dict() is
+        taken at the next step as after load_state_dict() when the checkpoint holds a
+        current AdamBridge state, else refused at the next step in one line (as for
+        state_dict(), docs/checkpoints.md).
+        """
+        if self._shard_group is None:
+            raise ValueError("sharded_state_dict() needs AdamBridge(..., shard_state=True); "
+                             "without it every rank holds the whole state: call "
+                             "opt.state_dict()")
+        return self._state_dict(sharded=True)
+
+    def _state_dict(self, sharded: bool) -> dict:
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self.follow_groups()  # ids are positions in the groups as they are now
@@ -633,7 +664,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                    **{k: v for k, v in group.items() if k != "params"}, **meta,
                    "params": [self._param_index[p] for p in group["params"]]}
                   for group in self.param_groups]
-        state, handed = self._saved_states()
+        state, handed = self._saved_states(sharded)
         self._handed = checkpoint.HandedOut(state, handed)
         saved = {"state": state, "param_groups": groups, "adambridge": dict(meta)}
         if self._tuner is not None:  # where the precision tuner is, for a resume
@@ -643,8 +674,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             saved = saved if result is None else result
         return saved
 
-    def _saved_states(self) -> tuple:
-        """(the saved 'state', (index, p, why its tensors are copies) per parameter entry)."""
+    def _saved_states(self, sharded: bool = False) -> tuple:
+        """(the saved 'state', (index, p, why its tensors are copies) per parameter entry);
+        ``sharded``: shard_state's entries of this rank's ranges (zero_saved.py)."""
         # The NVMe tier's committed state, read after any step in flight (DeepSpeed #7549).
         filed = self._tier.committed_states() if self._tier is not None else {}
         state, handed = {}, []
@@ -659,7 +691,11 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                     copied = "keeps its state in the NVMe tier's files, which its entries read"
                 state[index] = fsdp.saved_entry(key, value)
                 handed.append((index, key, copied))
-        if self._shard_group is not None:  # a collective: the whole state, on every rank
+        if self._shard_group is not None and sharded:  # a collective: this rank's ranges
+            from .distributed import zero_saved  # imports torch.distributed.checkpoint
+            found, handed = zero_saved.sharded_states(self)
+            state.update(found)
+        elif self._shard_group is not None:  # a collective: the whole state, on every rank
             state.update(zero.saved_state(self))
             by_index = {i: p for p, i in self._param_index.items()}
             handed = [(i, by_index[i], "is sharded by shard_state, saved as gathered copies")
@@ -682,7 +718,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         precision, tuned = autotune.resumed(self, state_dict)
         try:
             if self._shard_group is not None:  # whole checkpoint in, this rank's ranges kept
-                restored = zero.restore(self, state_dict)
+                from .distributed import zero_saved  # (or this rank's ranges of it)
+                restored = zero_saved.restore(self, state_dict)
             else:
                 restored = fsdp.restore(state_dict, self.param_groups, params, precision,
                                         self._handed, own=self.state.get)

@@ -50,6 +50,7 @@ PATHS = {
     "nvme_dcp": (1, True, False, "nvme_dcp"),
     "shard_state": (2, True, True, "shard_state"),
     "shard_state_mmap": (2, False, True, "shard_state"),
+    "shard_state_dcp": (2, True, True, "shard_state_dcp"),
     "fsdp2": (2, True, True, "fsdp2"),
 }
 TITLES = {
@@ -63,6 +64,7 @@ TITLES = {
     "nvme_dcp": "NVMe tier: dcp.save(get_optimizer_state_dict)",
     "shard_state": "shard_state=True, 2 gloo ranks: torch.save / torch.load",
     "shard_state_mmap": "shard_state=True, 2 gloo ranks: torch.load(f, mmap=True)",
+    "shard_state_dcp": "shard_state=True, 2 gloo ranks: DCP of opt.sharded_state_dict()",
     "fsdp2": "FSDP2 (fully_shard), 2 gloo ranks: DCP get_/set_",
 }
 
@@ -164,8 +166,10 @@ def _save(spec: dict, model, opt) -> None:
     elif path == "nvme_stream":
         from adambridge.checkpoint import save
         save(opt.state_dict(), target)
-    elif path == "dcp_own":
+    elif path == "dcp_own" or (path == "shard_state_dcp" and spec["optimizer"] == "adamw"):
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=target)
+    elif path == "shard_state_dcp":
+        dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=target)
     else:
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=target)
 
@@ -178,10 +182,30 @@ def _load(spec: dict, model, opt) -> None:
     path, source = spec["path"], _file(spec)
     if path in ("torch", "nvme", "shard_state") or path.endswith("mmap"):
         opt.load_state_dict(torch.load(source, weights_only=True, mmap=path.endswith("mmap")))
+    elif path == "shard_state_dcp":  # AdamW: its own state_dict(), as it was saved
+        _zero_lr_step(model, opt)  # the state to load into, as get_optimizer_state_dict makes
+        osd = opt.state_dict() if spec["optimizer"] == "adamw" else opt.sharded_state_dict()
+        dcp.load({"optim": osd}, checkpoint_id=source)
+        opt.load_state_dict(osd)
     else:
         osd = get_optimizer_state_dict(model, opt)
         dcp.load({"optim": osd}, checkpoint_id=source)
         set_optimizer_state_dict(model, opt, osd)
+
+
+def _zero_lr_step(model, opt) -> None:
+    """A step of lr 0 on zero gradients: the state a DCP load writes into."""
+    import torch
+    lrs = [group["lr"] for group in opt.param_groups]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    for p in model.parameters():
+        p.grad = None
 
 
 def _warm_up(spec: dict) -> None:
@@ -209,6 +233,17 @@ def _warm_up(spec: dict) -> None:
         osd = get_optimizer_state_dict(model, fresh)
         dcp.load({"optim": osd}, checkpoint_id=folder)
         set_optimizer_state_dict(model, fresh, osd)
+    if spec["path"] == "shard_state_dcp" and spec["optimizer"] != "adamw":
+        import torch.distributed.checkpoint as dcp
+        sharded = dict(tiny, path="shard_state_dcp")
+        model = _model(sharded)
+        opt = _optimizer(sharded, model)  # a collective: every rank warms up
+        _step(model, opt)
+        folder = target[:-len(".pt")] + "-sharded"
+        dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=folder)
+        osd = opt.sharded_state_dict()
+        dcp.load({"optim": osd}, checkpoint_id=folder)
+        opt.load_state_dict(osd)
 
 
 def run_phase(spec: dict) -> dict:

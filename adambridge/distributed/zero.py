@@ -19,7 +19,9 @@ state, in the unsharded layout, on every rank (a batch of parameters per exchang
 and builds this rank's ranges only, one parameter at a time. So a checkpoint saved on N
 ranks (plain torch.save or torch.distributed.checkpoint) loads on any M, sharded or not.
 A save holds the whole state per rank while it runs; a load, the loaded dict (all of it
-from ``torch.load``, this rank's ranges of it with ``mmap=True``).
+from ``torch.load``, this rank's ranges of it with ``mmap=True``). ``sharded_state_dict()``
+(zero_saved.py) is the same dict for torch.distributed.checkpoint with this rank's ranges
+only: its save and its load hold no whole tensor.
 
 Asynchronous mode (``attach_hooks`` on a DDP model) is distributed/zero_async.py: the ranges are
 updated in backward from DDP's reduced buckets, and ``step()`` runs this module's
@@ -299,11 +301,7 @@ def saved_state(opt: OptimizerDoor) -> dict:
     The whole state is gathered on every rank (the checkpoint's form); the exchanges go a
     batch of parameters at a time, so the buffers beside it stay within one batch."""
     g = _Group(opt.shard_group, opt)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    steps = torch.tensor([float(opt.state[p]["step"].item()) if opt.state.get(p) else -1.0
-                          for p in params], dtype=torch.float64, device=g.device)
-    g.dist.all_reduce(steps, op=g.dist.ReduceOp.MAX, group=g.group)
-    held = [(p, step) for p, step in zip(params, steps.tolist()) if step >= 0]
+    held = held_steps(opt, g)
     per_param = host_state.HOST_BYTES_PER_PARAM[opt.precision]
     out, batch, batch_bytes = {}, [], 0.0
     for p, step in held:  # the same batches on every rank: they depend on shapes only
@@ -315,6 +313,16 @@ def saved_state(opt: OptimizerDoor) -> dict:
     if batch:
         out.update(_gathered(opt, g, batch))
     return out
+
+
+def held_steps(opt: OptimizerDoor, g: _Group) -> list:
+    """(p, step) of every parameter that some rank holds state of (a collective: a rank
+    whose range of p is empty has none of its own)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    steps = torch.tensor([float(opt.state[p]["step"].item()) if opt.state.get(p) else -1.0
+                          for p in params], dtype=torch.float64, device=g.device)
+    g.dist.all_reduce(steps, op=g.dist.ReduceOp.MAX, group=g.group)
+    return [(p, step) for p, step in zip(params, steps.tolist()) if step >= 0]
 
 
 def _gathered(opt: OptimizerDoor, g: _Group, batch: list) -> dict:
@@ -339,15 +347,3 @@ def _gathered(opt: OptimizerDoor, g: _Group, batch: list) -> dict:
         whole["step"] = torch.tensor(step, dtype=torch.float32)
         out[opt.index(p)] = checkpoint.saved_entry(p, whole)
     return out
-
-
-def restore(opt: OptimizerDoor, state_dict: Any) -> Any:
-    """checkpoint.restore of a whole (unsharded-layout) checkpoint, whose states() build this
-    rank's ranges only: a range is copied or converted out of the loaded tensors, never a
-    whole parameter's state. Nothing is changed before every value is checked."""
-    g = _Group(opt.shard_group, opt)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    index = {p: i for i, p in enumerate(params)}
-    return checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
-                              span_of=lambda p: chunk_range(p.numel(), index[p], g.rank,
-                                                            g.world))

@@ -122,6 +122,8 @@ class ParamOwner:
         if handed is not None and handed.written():
             self._handed = None
             refusal = handed.verdict(self.state)
+            if getattr(self, "_shard_group", None) is not None:
+                refusal = self._refused_on_any_rank(refusal)
             if refusal is None:
                 self.release_plan()  # its write records are dropped below
                 for p in handed.params():
@@ -130,6 +132,21 @@ class ParamOwner:
                 self._in_place_refusal = refusal
         if strict and self._in_place_refusal is not None:
             raise RuntimeError(self._in_place_refusal)
+
+    def _refused_on_any_rank(self, refusal: Optional[str]) -> Optional[str]:
+        """shard_state: each rank judged the load on its own ranges; one refusing rank
+        refuses it on all (a collective: a dcp.load wrote ab_step on every rank), or the
+        others would go on into the step's all-gather and wait there for it forever."""
+        import torch.distributed as dist
+        devices = [p.device for g in self.param_groups for p in g["params"]]
+        device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+        flag = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._shard_group)
+        if flag.item() and refusal is None:
+            return ("A checkpoint loaded in place into opt.sharded_state_dict() was refused "
+                    "on another rank (its ranges failed the checks; that rank's error says "
+                    "which); load_state_dict() a checkpoint that every rank accepts")
+        return refusal
 
     def in_files(self, p: torch.Tensor) -> bool:
         """Whether p's state lives in the NVMe tier's files (``offload_dir``)."""

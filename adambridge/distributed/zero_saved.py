@@ -218,10 +218,30 @@ def restore(opt: OptimizerDoor, state_dict: Any) -> Any:
     g = zero._Group(opt.shard_group, opt)
     params = [p for group in opt.param_groups for p in group["params"]]
     index = {p: i for i, p in enumerate(params)}
-    state_dict, shards, span_of = restore_input(
-        state_dict, params, lambda p: zero.chunk_range(p.numel(), index[p], g.rank, g.world))
-    return checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
-                              shards=shards, span_of=span_of)
+    refusal: Optional[BaseException] = None
+    try:
+        state_dict, shards, span_of = restore_input(
+            state_dict, params, lambda p: zero.chunk_range(p.numel(), index[p], g.rank,
+                                                           g.world))
+        restored = checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
+                                      shards=shards, span_of=span_of)
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:
+        refusal = error
+    agree(g, refusal is not None, "load_state_dict() refused the checkpoint")
+    if refusal is not None:
+        raise refusal
+    return restored
+
+
+def agree(g: Any, refused: bool, what: str) -> None:
+    """Raise on every rank when any rank ``refused`` (a collective): each rank checks only
+    its own ranges of a sharded checkpoint, and a rank that went on alone would wait in the
+    next collective for the one that stopped, forever."""
+    flag = torch.tensor([1 if refused else 0], dtype=torch.int32, device=g.device)
+    g.dist.all_reduce(flag, op=g.dist.ReduceOp.MAX, group=g.group)
+    if flag.item() and not refused:
+        raise ValueError(f"{what} on another rank (its ranges of the state failed the "
+                         f"checks; that rank's error says which); this rank stops with it")
 
 
 def restore_input(state_dict: Any, params: list, span_of: Any) -> tuple:

@@ -89,6 +89,30 @@ def _resume(precision: str, path: str, load_state_dict: bool, group=None) -> dic
     return _end_of(opt, params)
 
 
+def _refusals(precision: str, path: str, rank: int) -> list:
+    """Load ``path`` with a NaN planted in rank 1's range of a master, through
+    load_state_dict() and in place (refused at the next step): the error each rank got."""
+    from adambridge import AdamBridge
+    found = []
+    for load_state_dict in (True, False):
+        params = make_params(1)
+        opt = AdamBridge(params, precision=precision, shard_state=True, **OPTIONS)
+        zero_lr_step(opt, params)
+        sd = opt.sharded_state_dict()
+        dcp.load({"optim": sd}, checkpoint_id=path)
+        if rank == 1:
+            opt.state[params[0]]["master"][0] = float("nan")  # this rank's range only
+        try:
+            if load_state_dict:
+                opt.load_state_dict(sd)
+            else:
+                _train(opt, params, range(1))
+            found.append(None)
+        except (ValueError, RuntimeError) as error:
+            found.append(str(error))
+    return found
+
+
 def ranks(rank: int, world: int, out_dir: str) -> dict:
     from adambridge import AdamBridge
     out = {}
@@ -110,6 +134,8 @@ def ranks(rank: int, world: int, out_dir: str) -> dict:
             except TypeError as error:
                 out["save_error"] = str(error)
         dcp.save({"model": _model(params), "optim": sharded}, checkpoint_id=path)
+        if precision == "fp32":
+            out["refusals"] = _refusals(precision, path, rank)
         gathered = opt.state_dict()
         dcp.save({"optim": gathered}, checkpoint_id=os.path.join(out_dir, f"{precision}-gathered"))
         if rank == 0:
@@ -211,6 +237,15 @@ def test_sharded_checkpoint_loads_into_torch_adamw(launched, precision):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             a, b = adamw.state[p][key], reference.state[q][key]
             assert a.dtype == b.dtype and torch.equal(a, b), key
+
+
+def test_a_checkpoint_one_rank_refuses_is_refused_on_every_rank(launched):
+    # Each rank checks its own ranges: a rank that went on alone would wait in the next
+    # collective for the one that stopped, forever.
+    refused, other = (result["refusals"] for result in launched[0][::-1])
+    for mine, theirs in zip(refused, other):
+        assert mine is not None and "NaN" in mine and "\n" not in mine, mine
+        assert theirs is not None and "on another rank" in theirs and "\n" not in theirs
 
 
 def test_an_operation_or_torch_save_of_a_sharded_entry_is_one_line(launched):

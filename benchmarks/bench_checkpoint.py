@@ -11,8 +11,10 @@ caches, which do not grow with the model, are not counted), returns freed heap t
 (``malloc_trim``), resets the peak RSS
 (``/proc/self/clear_refs`` "5", so VmHWM restarts from the current RSS), runs the phase and
 reads VmHWM. Peak extra is VmHWM minus the RSS before the phase minus, for a load, the state
-the optimizer holds afterwards (the steady state it was loading, the NVMe tier's page buffers
-included: ``host_memory_bytes()['nvme_buffers']``); a load ends with one read
+the optimizer holds afterwards beyond what it held before (the steady state it was loading,
+the NVMe tier's page buffers included: ``host_memory_bytes()['nvme_buffers']``; the
+``shard_state_dcp`` load writes into a state made before the measure, by a zero-lr step as
+DCP's get_optimizer_state_dict makes one); a load ends with one read
 of every state tensor, as the first step would, so a state left in a file mapping counts as
 resident too. Two-rank paths run each rank as its own process over gloo on 127.0.0.1 and
 report the larger rank. Figures are bytes per parameter of the whole model; "budget" is the
@@ -139,6 +141,12 @@ def _state_bytes(opt) -> int:
     return total
 
 
+def _held(opt) -> int:
+    """The optimizer's steady state in host RAM: its state and the NVMe tier's buffers."""
+    memory = opt.host_memory_bytes() if hasattr(opt, "host_memory_bytes") else {}
+    return _state_bytes(opt) + memory.get("nvme_buffers", 0)
+
+
 def _touch(opt) -> None:
     """Read every state tensor once, as the first step would (a mapped file is then resident)."""
     import torch
@@ -183,7 +191,6 @@ def _load(spec: dict, model, opt) -> None:
     if path in ("torch", "nvme", "shard_state") or path.endswith("mmap"):
         opt.load_state_dict(torch.load(source, weights_only=True, mmap=path.endswith("mmap")))
     elif path == "shard_state_dcp":  # AdamW: its own state_dict(), as it was saved
-        _zero_lr_step(model, opt)  # the state to load into, as get_optimizer_state_dict makes
         osd = opt.state_dict() if spec["optimizer"] == "adamw" else opt.sharded_state_dict()
         dcp.load({"optim": osd}, checkpoint_id=source)
         opt.load_state_dict(osd)
@@ -260,8 +267,13 @@ def run_phase(spec: dict) -> dict:
     opt = _optimizer(spec, model)
     if spec["phase"] == "save":
         _step(model, opt)
+    elif spec["path"] == "shard_state_dcp":
+        # The state the load writes into, made before the measure: a resumed run has taken
+        # this zero-lr step (as DCP's get_optimizer_state_dict takes it) before it loads.
+        _zero_lr_step(model, opt)
     _warm_up(spec)
     _settle()
+    held_before = _held(opt)
     before, file_before = _kib("VmRSS"), _kib("RssFile")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # VmHWM restarts from the current RSS
@@ -274,9 +286,8 @@ def run_phase(spec: dict) -> dict:
     seconds = time.perf_counter() - began
     peak = _kib("VmHWM")
     state = 0
-    if spec["phase"] == "load":  # the steady state it loaded: the state, the tier's buffers
-        memory = opt.host_memory_bytes() if hasattr(opt, "host_memory_bytes") else {}
-        state = _state_bytes(opt) + memory.get("nvme_buffers", 0)
+    if spec["phase"] == "load":  # the steady state it loaded (beyond what it held before)
+        state = _held(opt) - held_before
     # what the phase left mapped from files (a checkpoint read with mmap=True, say)
     mapped = _kib("RssFile") - file_before
     return {"extra": peak - before - state, "seconds": seconds, "state": state,

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from ..host.sourced import DerivedSource, Source, SourcedTensor
 from .direct_io import AlignedBuffer
 from .layout import ParamFiles, read_state
-
-if TYPE_CHECKING:
-    from .tier import Tier
 
 aten = torch.ops.aten
 
@@ -43,7 +40,7 @@ class Pinned:
 
     __slots__ = ("_tier", "files", "generation", "step", "epoch", "live")
 
-    def __init__(self, tier: "Tier", files: ParamFiles, generation: int, step: int,
+    def __init__(self, tier: Any, files: ParamFiles, generation: int, step: int,
                  live: Any) -> None:
         self._tier = weakref.ref(tier)  # a dict kept past the optimizer must not keep its files
         self.files, self.generation, self.step = files, generation, step
@@ -136,7 +133,7 @@ def _unread_copy(tensor: FiledTensor, kwargs: dict) -> Optional[FiledTensor]:
     return copy.view(tensor.shape)
 
 
-def filed_state(tier: "Tier", files: ParamFiles, generation: int, step: int,
+def filed_state(tier: Any, files: ParamFiles, generation: int, step: int,
                 live: Any) -> dict:
     """The committed state of one file-placed parameter, as opt.state[p] keys: ``step`` in
     RAM, every other tensor a FiledTensor read from the files on demand (its source added

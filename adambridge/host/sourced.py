@@ -23,6 +23,7 @@ the storage itself (``data_ptr()``) raises, loudly, as for any storage-less tens
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,7 +36,7 @@ _METADATA_WRITES = {"t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_",
                     "swapaxes_", "resize_", "resize_as_", "set_", "_resize_output_"}
 
 
-class Source:
+class Source(abc.ABC):
     """Where a SourcedTensor's values are: how an operation reads them and writes them.
 
     (Sources and tensors have __slots__: a p.grad view is made per gradient per step, and
@@ -46,13 +47,13 @@ class Source:
     # memory that already holds them: a view's snapshot then takes the parent's.
     fresh_snapshots = False
 
+    @abc.abstractmethod
     def read(self) -> torch.Tensor:
         """The values, as a tensor on the view's device (a copy where they live elsewhere)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def open_write(self) -> torch.Tensor:
         """A tensor on the view's device that an operation may write in place."""
-        raise NotImplementedError
 
     def close_write(self, written: torch.Tensor) -> None:
         """The operation has written ``written`` (what open_write returned)."""
@@ -130,7 +131,8 @@ class DerivedSource(Source):
 
 class SourcedTensor(torch.Tensor):
     """A tensor whose every operation reaches its ``source``; subclasses say why a shape
-    change in place is refused and may take some operations first (``_dispatch``)."""
+    change in place is refused (``SHAPE_CHANGE_REFUSAL``) and may take some operations
+    first (``_dispatch``)."""
 
     __slots__ = ("source",)
 
@@ -144,11 +146,11 @@ class SourcedTensor(torch.Tensor):
         view.source = source
         return view
 
-    @classmethod
-    def shape_change_refusal(cls, name: str) -> str:
-        return (f"adambridge: .{name}() changes a tensor's shape in place, which a tensor "
-                f"whose values live elsewhere cannot follow; make a new tensor instead "
-                f"(x = x.{name[:-1]}(...))")
+    # The one line a shape change in place (t_, resize_, ...) is refused with: {name} is the
+    # operation, {call} the same without its trailing underscore. Subclasses say their own.
+    SHAPE_CHANGE_REFUSAL = ("adambridge: .{name}() changes a tensor's shape in place, which a "
+                            "tensor whose values live elsewhere cannot follow; make a new "
+                            "tensor instead (x = x.{call}(...))")
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return repr(self.source.read())
@@ -198,7 +200,7 @@ def dispatch_views(func: Any, args: tuple, kwargs: dict) -> Any:
     if func is aten.detach_.default:
         return args[0]
     if name in _METADATA_WRITES and isinstance(args[0], SourcedTensor):
-        raise RuntimeError(args[0].shape_change_refusal(name))
+        raise RuntimeError(args[0].SHAPE_CHANGE_REFUSAL.format(name=name, call=name[:-1]))
     if func.is_view and isinstance(args[0], SourcedTensor):
         return _derived(func, args, kwargs)
     return NotImplemented

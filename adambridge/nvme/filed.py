@@ -85,11 +85,10 @@ class FiledTensor(SourcedTensor):
 
     __slots__ = ()
 
-    @classmethod
-    def shape_change_refusal(cls, name: str) -> str:
-        return (f"adambridge: .{name}() changes the shape of an NVMe-tier state_dict() entry "
-                f"in place, which it cannot follow (its values are in the tier's files); make "
-                f"a new tensor instead (x = x.{name[:-1]}(...))")
+    SHAPE_CHANGE_REFUSAL = ("adambridge: .{name}() changes the shape of an NVMe-tier "
+                            "state_dict() entry in place, which it cannot follow (its values "
+                            "are in the tier's files); make a new tensor instead "
+                            "(x = x.{call}(...))")
 
     @classmethod
     def _dispatch(cls, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -146,11 +146,10 @@ class GradView(SourcedTensor):
         view.source = source if source is not None else ZeroSource(view)
         return view
 
-    @classmethod
-    def shape_change_refusal(cls, name: str) -> str:
-        return (f"adambridge: p.grad.{name}() changes the gradient tensor's shape in place, "
-                f"which async mode cannot follow once a hook has taken the gradient; make a "
-                f"new tensor instead (p.grad = p.grad.{name[:-1]}(...))")
+    SHAPE_CHANGE_REFUSAL = ("adambridge: p.grad.{name}() changes the gradient tensor's shape "
+                            "in place, which async mode cannot follow once a hook has taken "
+                            "the gradient; make a new tensor instead "
+                            "(p.grad = p.grad.{call}(...))")
 
     @classmethod
     def _dispatch(cls, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -34,5 +34,9 @@ def test_a_gradient_view_of_p_grad_is_on_the_gradient_device():
     grad = model.weight.grad
     for view in (grad.view(-1), grad[0], grad.detach(), grad.data, grad.split(100)[1]):
         assert view.device == grad.device == torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"p\.grad\.t_\(\) changes the gradient tensor's "
+                                           r"shape in place.*p\.grad = p\.grad\.t\(") as info:
+        grad.t_()
+    assert "\n" not in str(info.value)
     opt.step()
     opt.detach_hooks()

@@ -223,8 +223,9 @@ def restore(opt: OptimizerDoor, state_dict: Any) -> Any:
         state_dict, shards, span_of = restore_input(
             state_dict, params, lambda p: zero.chunk_range(p.numel(), index[p], g.rank,
                                                            g.world))
+        # own: a piece dcp.load wrote into is the state's own tensor, kept as it is.
         restored = checkpoint.restore(state_dict, opt.param_groups, params, opt.precision,
-                                      shards=shards, span_of=span_of)
+                                      own=opt.state.get, shards=shards, span_of=span_of)
     except (ValueError, TypeError, KeyError, RuntimeError) as error:
         refusal = error
     agree(g, refusal is not None, "load_state_dict() refused the checkpoint")

@@ -93,6 +93,10 @@ class DerivedSource(Source):
 
     __slots__ = ("parent", "_func", "_args", "_kwargs", "_index", "_open")
 
+    @property
+    def fresh_snapshots(self) -> bool:  # type: ignore[override]
+        return self.parent.source.fresh_snapshots  # a view of a view of fresh values
+
     def __init__(self, parent: "SourcedTensor", func: Any, args: tuple, kwargs: dict,
                  index: Optional[int]) -> None:
         self.parent, self.device = parent, parent.device

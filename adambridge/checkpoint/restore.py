@@ -192,6 +192,7 @@ def restore(state_dict: Any, groups: list, params: list, precision: str, *,
     check_groups(saved_groups, groups)
     meta = saved_meta(state_dict, saved_groups)
     saved_ids = [i for g in saved_groups for i in g["params"]]
+    state_dict = {**state_dict, "state": entries_by_id(state_dict["state"], saved_ids)}
     position = {saved_id: index for index, saved_id in enumerate(saved_ids)}
     keys = dict(zip(saved_ids, params))
     by_id = dict(zip(saved_ids, shards if shards is not None else params))
@@ -212,6 +213,36 @@ def restore(state_dict: Any, groups: list, params: list, precision: str, *,
                                               meta.get("precision"), maps)
     return Restored(_new_groups(saved_groups, groups), meta, order, checked, keys, by_id,
                     precision, own or (lambda p: None), span_of, maps, sole)
+
+
+def entries_by_id(state: dict, saved_ids: list) -> dict:
+    """``state`` with each parameter's entry under the id its group lists.
+
+    NOTE: torch.distributed.checkpoint's dcp_to_torch_save (and any path through its
+    flattening) writes the ids as strings ('0'); taken as those ids where the int is not
+    there. An entry that is a parameter's state under a key no group lists (a name, another
+    id) would otherwise be kept aside as torch keeps unknown entries, and the parameter
+    silently start fresh: refused in one line."""
+    listed = set(saved_ids)
+    out = {}
+    for key, entry in state.items():
+        if isinstance(key, str) and key.lstrip("-").isdigit() and int(key) in listed \
+                and int(key) not in state:
+            key = int(key)
+        elif key not in listed and _a_parameters_state(entry):
+            shown = sorted(listed, key=str)[:8]
+            raise ValueError(f"Checkpoint 'state' has a parameter's entry under {key!r}, which "
+                             f"no param group lists (they list {shown}"
+                             f"{' ...' if len(listed) > 8 else ''}); load a dict whose 'state' is "
+                             f"keyed by the ids its param_groups list, as "
+                             f"optimizer.state_dict() makes it")
+        out[key] = entry
+    return out
+
+
+def _a_parameters_state(entry: Any) -> bool:
+    return isinstance(entry, dict) and "step" in entry and any(
+        k in entry for k in ("exp_avg", "master", "ab_exp_avg"))
 
 
 def _new_groups(saved_groups: list, groups: list) -> list:

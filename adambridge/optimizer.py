@@ -244,6 +244,13 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                                 for k in ("lr", "betas", "eps", "weight_decay")))
         if getattr(self, "_tier", None) is not None:  # None while __init__ adds the groups
             _refuse_dtensors_with_offload(p for p in unique if isinstance(p, torch.Tensor))
+        if getattr(self, "_pipeline", None) is not None:
+            # NOTE: refused here, before anything changes: the hooks know only the
+            # parameters they were attached with, so the next step would update the others
+            # and then find these never updated.
+            raise RuntimeError("add_param_group() while hooks are attached: call "
+                               "opt.detach_hooks(), add the group, then "
+                               "opt.attach_hooks(model)")
         super().add_param_group(dict(param_group, params=unique))
         self._index_params()
 

@@ -53,7 +53,7 @@ MUTANTS = [
      "        if False:\n            self._backward_interrupted(record)",
      ["tests/pipeline/test_async_faults.py"]),
     ("pipeline: first step not held", "adambridge/pipeline/hooks.py",
-     "held = (not self._warm or", "held = (False and not self._warm or",
+     "        if not self._warm:\n", "        if False and not self._warm:\n",
      ["tests/pipeline/test_pipeline.py"]),
     ("interception: clipping never routed", "adambridge/pipeline/interception.py",
      "    return list({id(pl): pl for pl in list(_pipelines) for p in params\n"

@@ -21,13 +21,19 @@ from .work_items import Job, StepRecord
 
 _log = logging.getLogger("adambridge")
 
+# Why a step's updates wait for a fact (StepStats.held_by): (cause key, words).
+CLIP_CAUSE = ("clip", "a clip by the gradient norm (the norm is known only after backward)")
+SCALER_CAUSE = ("grad_scaler", "a GradScaler (whether the step is skipped is known only at "
+                               "step())")
+
 
 class FactsMixin:
     """Pipeline methods for clip_grad_norm_, clip_grad_value_, GradScaler and max_grad_norm."""
 
-    def _settled(self) -> StepRecord:
+    def _settled(self, cause: tuple) -> StepRecord:
+        """The step settled for ``cause`` (key, words: what waits for it, StepStats.held_by)."""
         record = self._current_record()
-        self.send_rest(record)
+        self.send_rest(record, hold=cause)
         self.drain(record)
         record.settled = True
         self._take_reassigned(record)  # p.grad assigned since its hook (pipeline/grad_edits.py)
@@ -60,7 +66,7 @@ class FactsMixin:
 
     def clip_grad_norm(self, params: list, max_norm: float, norm_type: float,
                        error_if_nonfinite: bool) -> torch.Tensor:
-        record = self._settled()
+        record = self._settled(CLIP_CAUSE)
         if math.isfinite(max_norm):
             self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
@@ -76,7 +82,7 @@ class FactsMixin:
     def clip_with_norm(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         """Clip with a given total norm (torch's clip_grads_with_norm_; the loop took the
         norm itself, as torchtitan's does): it is this step's grad_norm."""
-        record = self._settled()
+        record = self._settled(CLIP_CAUSE)
         if math.isfinite(max_norm):
             self.clip_hint = max_norm
         jobs, others = self._jobs_of(record, params)
@@ -86,14 +92,14 @@ class FactsMixin:
     def settled_grads(self, params: list) -> list:
         """The gradient each of ``params`` has in this step: the host copy for ours, p.grad
         for the others (None without one), once the step is settled."""
-        record = self._settled()
+        record = self._settled(CLIP_CAUSE)
         return [record.jobs[p].grad if p in record.jobs
                 else None if p in self.group_of else p.grad for p in params]
 
     def unscale_grads(self, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                       allow_fp16: bool) -> dict:
         """GradScaler._unscale_grads_ for our optimizer: on the host gradients."""
-        record = self._settled()
+        record = self._settled(SCALER_CAUSE)
         self._note_grad_scaler(record)
         jobs = list(record.jobs.values())
         if not allow_fp16 and any(job.grad.dtype == torch.float16 for job in jobs):
@@ -110,11 +116,17 @@ class FactsMixin:
 
     # -- applied by finish
 
-    def facts_pending(self) -> bool:
-        """Whether finish will apply a fact that may change gradients (scaler, max_grad_norm)."""
+    def facts_pending(self) -> Optional[tuple]:
+        """The cause (key, words) of a fact finish will apply that may change gradients
+        (GradScaler, max_grad_norm), or None."""
         opt = self.opt
-        return (opt.max_grad_norm is not None or getattr(opt, "grad_scale", None) is not None
-                or getattr(opt, "found_inf", None) is not None)
+        if getattr(opt, "grad_scale", None) is not None or \
+                getattr(opt, "found_inf", None) is not None:
+            return SCALER_CAUSE
+        if opt.max_grad_norm is not None:
+            return ("clip", f"max_grad_norm={opt.max_grad_norm} (the norm is known only after "
+                            f"backward)")
+        return None
 
     def apply_step_facts(self, record: StepRecord) -> None:
         """GradScaler's skip and unscale, then max_grad_norm, on the settled step."""
@@ -164,7 +176,13 @@ class FactsMixin:
                 continue
             if job.streamed:
                 filed.append((job.index, regrad))
-            elif self._correct(job) if regrad else self._correct(job, stale):
+                continue
+            redone = sum(end - start for (start, end), again in zip(job.updated_ranges, stale)
+                         if regrad or again)
+            with record.lock:  # (one worker per device corrects its own jobs)
+                record.redone.params += 1
+                record.redone.elems += redone
+            if self._correct(job) if regrad else self._correct(job, stale):
                 rebased.append(job.index)
         if rebased:
             self._warn_rebased(rebased)

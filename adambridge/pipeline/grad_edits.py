@@ -30,12 +30,14 @@ class instead of a list of functions:
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Optional
 
 import torch
 
 from . import verify
-from .grad_views import GradView, StepSource, plain, retire, zeros_like
+from .grad_views import GradView, StepSource, current_write, plain, retire, zeros_like
 from .work_items import Job, StepRecord
 
 
@@ -62,6 +64,7 @@ class GradEditsMixin:
         self._consumed: set = set()   # ids of parameters a finished step took a gradient of
         self.edits_grads = edits_grads  # keep what redoes an update, every step from now on
         self.edits_changed = False    # the last step's loop changed gradients: hold the next
+        self.last_edit = ""           # which write, where (StepStats.held_by, the log line)
 
     # -- the hook's side
 
@@ -82,12 +85,16 @@ class GradEditsMixin:
     def allow_grad_write(self, p: torch.Tensor) -> None:
         """Before anything writes p's gradient: settle the step, then allow or refuse."""
         task = torch._C._current_graph_task_id()
-        if task != -1:  # autograd accumulating a second gradient into it: backward raises,
-            self._open_tasks.add(task)  # so the step fails as after any interrupted pass
-            raise second_gradient_error(self.opt.index(p))
+        if task != -1:  # written inside backward: backward raises, so the step fails as
+            self._open_tasks.add(task)  # after any interrupted pass
+            caller = _caller_outside_adambridge()
+            if caller is None or caller.f_code.co_filename.startswith(_LIBRARY_DIRS[0]):
+                raise second_gradient_error(self.opt.index(p))  # autograd accumulating
+            raise _hook_write_error(self.opt.index(p), caller)
         record = self._record or self._current_record()
         if not record.settled:  # once a step: from then on what lands is held, none runs
-            record = self._settled()
+            self.last_edit = _describe_write(self.opt.index(p))
+            record = self._settled(("grad_write", self.last_edit))
         job = record.jobs.get(p)
         if job is not None:
             self._check_writable(record, [job], "a write to p.grad")
@@ -227,6 +234,45 @@ class GradEditsMixin:
         for p in self.owned if params is None else params:
             if p.grad is None and id(p) in self._consumed:
                 p.grad = zeros_like(p)
+
+
+def _caller_outside_adambridge() -> Any:
+    """The innermost Python frame that is not adambridge's own (None if there is none)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS[1]):
+        frame = frame.f_back
+    return frame
+
+
+def _hook_write_error(index: int, caller: Any) -> RuntimeError:
+    """Code of the user's wrote p.grad inside backward, after the hook had taken it: a
+    post-accumulate-grad hook registered after attach_hooks (it runs after ours)."""
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    return RuntimeError(f"adambridge: the gradient of parameter {index} was written during "
+                        f"backward ({where}, a hook of your own?) after async mode had taken "
+                        f"it; register your post-accumulate-grad hook before "
+                        f"opt.attach_hooks(model), so it runs first, or make the change "
+                        f"after backward")
+
+
+def _describe_write(index: int) -> str:
+    """'<op> on p.grad of parameter i at file:line': the write about to run, and the first
+    frame of the caller's code (outside torch and adambridge) that made it."""
+    where = ""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARY_DIRS):
+            where = f" at {os.path.basename(name)}:{frame.f_lineno}"
+            break
+        frame = frame.f_back
+    op = current_write() or "a write"
+    return f"{op} on p.grad of parameter {index}{where}"
+
+
+# torch's and adambridge's own files: the frames a write's location skips
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
 def _unredoable(job: Job, what: str) -> RuntimeError:

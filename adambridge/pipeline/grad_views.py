@@ -23,6 +23,7 @@ on use instead of showing the next step's buffers.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -183,8 +184,82 @@ def retire(view: GradView) -> None:
 # --------------------------------------------------------------------------- dispatch
 
 
+def current_write() -> Optional[str]:
+    """The name of the operation now writing a view on this thread (None outside one)."""
+    return getattr(_writing, "op", None)
+
+
+_writing = threading.local()
+
+
 def _run(func: Any, args: tuple, kwargs: dict, written: list) -> Any:
-    return run(func, args, kwargs, written, after=_verified)
+    if written and _can_try_first(func, args, kwargs, written):
+        return _unless_unchanged(func, args, kwargs, written)
+    _writing.op = func.overloadpacket.__name__
+    try:
+        return run(func, args, kwargs, written, after=_verified)
+    finally:
+        _writing.op = None
+
+
+# --------------------------------------------------------------------------- no-op writes
+
+
+def _can_try_first(func: Any, args: tuple, kwargs: dict, written: list) -> bool:
+    """Whether a write can be run on copies first, to see if it changes anything: every
+    written tensor is a view of a step's gradient (no two of the same one), not checked
+    against sync mode, and the operation has no effect but its result (no collective, no
+    random numbers)."""
+    if func.namespace == "c10d" or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    if len(written) != len(written_args(func, args, kwargs)):
+        return False  # a plain tensor is written too
+    roots = set()
+    for view in written:
+        root = view.source.step_source() if isinstance(view, GradView) else None
+        if root is None or root.host is None or view.source.shadow() is not None \
+                or view.dtype.itemsize not in _BITS or not view.dtype.is_floating_point:
+            return False
+        if id(root) in roots:
+            return False  # two views of one gradient written at once: they alias
+        roots.add(id(root))
+    return True
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _unless_unchanged(func: Any, args: tuple, kwargs: dict, written: list) -> Any:
+    """``func`` run on copies of the written gradients first. A write that changes no bit
+    (``clip_grad_value_`` under its limit, ``nan_to_num_`` of finite values) is not a write:
+    the step goes on as if it never happened, updates keep overlapping backward. One that
+    changes a value is made as any write is (asked first, so it may be refused), with the
+    values computed here."""
+    flat, spec = tree_flatten((args, kwargs))
+    before = {id(view): view.source.read() for view in written}
+    trial = {key: values.clone() for key, values in before.items()}
+    values = [trial[id(x)] if id(x) in trial else x.source.read()
+              if isinstance(x, SourcedTensor) else x for x in flat]
+    call_args, call_kwargs = tree_unflatten(values, spec)
+    out = func(*call_args, **call_kwargs)
+    if not all(_same_bits(trial[key], before[key]) for key in trial):
+        _writing.op = func.overloadpacket.__name__
+        try:
+            opened = [(view, view.source.open_write()) for view in written]  # may refuse
+        finally:
+            _writing.op = None
+        for view, tensor in opened:
+            tensor.copy_(trial[id(view)])
+            view.source.close_write(tensor)
+    by_tensor = {id(trial[id(view)]): view for view in written}
+    out_flat, out_spec = tree_flatten(out)
+    return tree_unflatten([by_tensor.get(id(x), x) for x in out_flat], out_spec)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bit for bit: -0.0 is not 0.0, and a NaN replaced by another NaN is a change.
+    kind = _BITS[a.dtype.itemsize]
+    return torch.equal(a.view(kind), b.view(kind))
 
 
 def _verified(func: Any, flat: list, spec: Any, written: list, out: Any) -> None:

@@ -54,7 +54,7 @@ from ..stats import StepStats
 from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
 from .worker import _STOP, Lane, chunk_ranges, worker_cpus
-from .corrections import FactsMixin
+from .corrections import SCALER_CAUSE, FactsMixin
 from .grad_edits import GradEditsMixin, after_reducer, grads_for_host, second_gradient_error
 from .grad_views import plain
 
@@ -62,6 +62,19 @@ if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
     from ..door import OptimizerDoor
 
 _log = logging.getLogger("adambridge")
+
+# What a loop can do about each cause of updates made at step() (logged once per cause).
+_ADVICE = {
+    "grad_scaler": "GradScaler is only needed with fp16 autocast (bf16 needs none)",
+    "grad_write": "a loop that changes gradients every step gains nothing from updating "
+                  "during backward; where it can, make the change before backward (scale the "
+                  "loss), or accept sync speed for such steps",
+    "clip": "clipping that fires every step makes every step wait for its norm; a max_norm "
+            "that fires only now and then keeps the overlap",
+}
+# Causes told by a warning of their own (the hyperparameter write: pipeline/corrections.py),
+# or by design (the first step after attach_hooks).
+_TOLD_ELSEWHERE = {"hyper", "first"}
 
 
 class Pipeline(FactsMixin, GradEditsMixin):
@@ -126,6 +139,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self.warned_rebased = False
         self.warned_hyper_hold = False
         self.tuner = None
+        self.hook_s = 0.0           # time in the gradient hooks since the last step
+        self._told: set = set()     # the causes of lost overlap already logged (once each)
         # hook_grads=False: someone else calls on_grad (distributed/ddp.py's DDP comm hook).
         self._hooks_grads = hook_grads
         # NOTE: each gradient first lands in ``arrived`` (set.add, a C call: no Python frame
@@ -261,10 +276,9 @@ class Pipeline(FactsMixin, GradEditsMixin):
         with self._record_lock:
             if self._record is None:
                 self._refresh_groups()
-                held = (not self._warm or self.uses_grad_scaler or self.hyper_written_late
-                        or self.edits_changed)
+                held_by = self._why_held()
                 checks = self.verifier is not None and self.verifier.active
-                record = StepRecord(held=held, clip_watch=self._clip_watch(),
+                record = StepRecord(held=held_by is not None, clip_watch=self._clip_watch(),
                                     keep_state=(self.rolls_back or self.watches_hyper
                                                 or self.edits_grads or checks),
                                     verify=checks,
@@ -272,9 +286,25 @@ class Pipeline(FactsMixin, GradEditsMixin):
                 if self._late is not None:  # nothing may start: finish refuses the step
                     record.fail(RuntimeError("the update that timed out has not been "
                                              "accounted for"))
+                record.held_by = held_by
                 self._check_layouts(record)
                 self._record = record
             return self._record
+
+    def _why_held(self) -> Optional[tuple]:
+        """(cause key, words) of why a new step holds its updates until finish, or None."""
+        if not self._warm:
+            return ("first", "the first step after attach_hooks() (every gradient is checked "
+                             "before anything is updated)")
+        if self.uses_grad_scaler:
+            return SCALER_CAUSE
+        if self.hyper_written_late:
+            return ("hyper", "a hyperparameter written between backward and step() in the "
+                             "last step")
+        if self.edits_changed:
+            return ("grad_write", f"the loop's change of a gradient in the last step "
+                                  f"({self.last_edit})")
+        return None
 
     def _clip_watch(self) -> Optional[float]:
         limits = [x for x in (self.opt.max_grad_norm, self.clip_hint) if x is not None]
@@ -380,9 +410,11 @@ class Pipeline(FactsMixin, GradEditsMixin):
             params.append(p)
         return params
 
-    def send_rest(self, record: StepRecord, hold: bool = True) -> None:
-        """Send every gradient without a hook; with ``hold``, hold what lands from now on."""
-        record.hold_rest = record.hold_rest or hold
+    def send_rest(self, record: StepRecord, hold: Optional[tuple] = None) -> None:
+        """Send every gradient without a hook; with ``hold`` (a cause: key, words), hold what
+        lands from now on."""
+        if hold is not None:
+            record.hold(hold)
         if record.failed:
             return
         for lane in self.lanes.values():
@@ -438,6 +470,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
             return self._finish_after_timeout(self._late)
         entered = time.perf_counter()
         record = self._current_record()
+        with record.lock:  # what updates from now on, step() waits for (StepStats)
+            record.in_step = True
         revived = [lane for lane in self.lanes.values() if lane.revive()]
         if revived:
             record.fail(RuntimeError(f"the adambridge worker thread for "
@@ -476,6 +510,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats
+        self._tell_lost_overlap(record, stats)
         if not record.jobs and self._warm and not self._said_empty_step:
             # torch.optim would update again from the p.grad a backward left; here each
             # backward's gradients serve one step, so a second step() changes nothing.
@@ -579,7 +614,15 @@ class Pipeline(FactsMixin, GradEditsMixin):
         stats = StepStats(host_update_s=record.host_update_s, sync_wait_s=waited,
                           num_params=0 if record.skip else len(record.updated),
                           num_batches=record.num_batches, grad_norm=record.grad_norm,
-                          skipped=record.skip)
+                          skipped=record.skip,
+                          params_in_backward=record.overlap.params,
+                          elems_in_backward=record.overlap.elems,
+                          params_in_step=record.waited.params, elems_in_step=record.waited.elems,
+                          params_redone=record.redone.params, elems_redone=record.redone.elems,
+                          held_by=None if record.held_by is None or not record.waited.elems
+                          else record.held_by[1],
+                          hook_s=self.hook_s)
+        self.hook_s = 0.0
         for lane in self.lanes.values():
             copies = lane.transport.take_stats()
             stats.d2h_s += copies.d2h_s
@@ -591,6 +634,18 @@ class Pipeline(FactsMixin, GradEditsMixin):
             tier.take_io(stats)  # the NVMe tier's bytes and I/O wait
         stats.wall_s = time.perf_counter() - record.began
         return stats
+
+    def _tell_lost_overlap(self, record: StepRecord, stats: StepStats) -> None:
+        """The first step that updated at step() for a cause: one log line naming it."""
+        if record.held_by is None or not stats.elems_in_step or record.failed:
+            return
+        key, words = record.held_by
+        if key in self._told or key in _TOLD_ELSEWHERE:
+            return
+        self._told.add(key)
+        _log.warning("adambridge: %d of %d updated elements of this step ran at step(), "
+                     "not during backward, held by %s; %s", stats.elems_in_step,
+                     stats.elems_in_step + stats.elems_in_backward, words, _ADVICE[key])
 
     def run_on_workers(self, fn: Callable[[torch.device, list], None]) -> None:
         """fn(device, params) on each device's worker thread (e.g. to convert state there)."""
@@ -691,7 +746,11 @@ def _hook(pipeline_ref: "weakref.ref[Pipeline]") -> Callable[[torch.Tensor], Non
     def post_accumulate_grad_hook(p: torch.Tensor) -> None:
         pipeline = pipeline_ref()
         if pipeline is not None:
-            pipeline.on_grad(p)
+            began = time.perf_counter()
+            try:
+                pipeline.on_grad(p)
+            finally:  # the optimizer's time on the training thread (StepStats.hook_s)
+                pipeline.hook_s += time.perf_counter() - began
     return post_accumulate_grad_hook
 
 

@@ -53,6 +53,27 @@ class StepRecord:
         self.skip = False           # GradScaler found inf/NaN: the step is not applied
         self.loop_edits: list = []  # jobs whose gradient the loop wrote (grad_edits.py)
         self.settled = False        # sent and drained once after backward (corrections.py)
+        # Where the updates ran (StepStats): before step() was called (overlapped with
+        # backward) or after (the caller waits); set under ``lock`` by finish and the workers.
+        self.in_step = False
+        self.overlap = UpdateCounts()  # updated before step() was called
+        self.waited = UpdateCounts()   # updated while step() waited
+        self.redone = UpdateCounts()   # updated during backward, then again at step()
+        self.hook_s = 0.0           # the training thread's time in the gradient hooks
+        self.held_by: Optional[str] = None  # why updates wait for step() (the first cause)
+
+    def hold(self, cause: str) -> None:
+        """Hold what lands from now on until finish, for ``cause`` (StepStats.held_by)."""
+        self.hold_rest = True
+        if self.held_by is None:
+            self.held_by = cause
+
+    def count_updated(self, params: int, elems: int) -> None:
+        """Updates just made: counted as overlapped, or as waited for once step() was called."""
+        with self.lock:
+            counts = self.waited if self.in_step else self.overlap
+            counts.params += params
+            counts.elems += elems
 
     @property
     def failed(self) -> bool:
@@ -64,6 +85,14 @@ class StepRecord:
     def fail(self, exc: BaseException, where: str = "") -> None:
         with self.lock:
             self.errors.append((exc, where))
+
+
+@dataclass
+class UpdateCounts:
+    """Parameters (whole ones) and elements updated in one part of a step."""
+
+    params: int = 0
+    elems: int = 0
 
 
 @dataclass(eq=False)

@@ -205,7 +205,8 @@ class Lane:
         with record.lock:
             record.landed_sq += landed
             if record.landed_sq ** 0.5 > record.clip_watch:
-                record.hold_rest = True
+                record.hold(("clip", f"clipping: the norm of the gradients landed so far "
+                                     f"passed max_norm={record.clip_watch:g} during backward"))
         return record.hold_rest
 
     def run(self, batch: list[Piece], speculative: bool = False) -> None:
@@ -230,8 +231,9 @@ class Lane:
                 piece.job.streamed = speculative
                 if speculative:
                     piece.job.hypers.append(piece.hyper)
-            self._done(record, batch)
-            self._done(record, streamed)
+            finished = self._done(record, batch) + self._done(record, streamed)
+            record.count_updated(finished, sum(piece.end - piece.start
+                                               for piece in (*batch, *streamed)))
         except BaseException as exc:  # noqa: BLE001 - re-raised by finish
             record.fail(exc, f"the update worker for {self.transport.device}")
         finally:
@@ -291,9 +293,10 @@ class Lane:
         piece.hyper = item.hyper  # what this update reads of the group (finish compares it)
         return item
 
-    def _done(self, record: StepRecord, pieces: list[Piece]) -> None:
+    def _done(self, record: StepRecord, pieces: list[Piece]) -> int:
         """Send back each copy whose pieces are all updated; commit each finished job's step
-        (``record.updated`` takes them at once, even if a copy back raises midway)."""
+        (``record.updated`` takes them at once, even if a copy back raises midway); returns
+        how many jobs finished."""
         finished: list[Job] = []
         try:
             for piece in pieces:
@@ -313,6 +316,7 @@ class Lane:
                 _commit_steps(finished)
                 with record.lock:
                     record.updated.extend(job.index for job in finished)
+        return len(finished)
 
     def drop(self) -> None:
         """Forget the held pieces and deferred copies of a step that will not finish."""

@@ -396,3 +396,41 @@ def test_loop_pattern_through_the_cuda_transport_equals_sync(monkeypatch, loop, 
     sync = run_loop(loop, width, hooks=False, release_grads=release_grads)
     hooked = run_loop(loop, width, hooks=True, release_grads=release_grads)
     assert_same_run(hooked, sync)
+
+
+def _scaling_hook(p):
+    p.grad.mul_(0.5)
+
+
+def _run_with_user_hook(hooks: bool, user_hook_first: bool) -> tuple:
+    model = _model(SIZES["large"], moe=False)
+    opt = AdamBridge(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if hooks and not user_hook_first:
+        opt.attach_hooks(model)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_scaling_hook)
+    if hooks and user_hook_first:
+        opt.attach_hooks(model)
+    for x in _data(SIZES["large"]):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if hooks:
+        opt.detach_hooks()
+    return model, opt, []
+
+
+def test_loop_user_post_accumulate_hook_registered_first_equals_sync():
+    # The user's hook runs before adambridge's (registered first): it scales p.grad before
+    # async mode takes it, as sync mode sees it.
+    assert_same_run(_run_with_user_hook(True, True), _run_with_user_hook(False, True))
+
+
+def test_loop_user_post_accumulate_hook_registered_after_attach_names_the_cause():
+    # One backward, no checkpointing: the error names the hook's write, not a second gradient.
+    with pytest.raises(RuntimeError, match=r"^adambridge: the gradient of parameter \d+ was "
+                                           r"written during backward \(test_async_loop_patterns"
+                                           r"\.py:\d+, a hook of your own\?\).*register your "
+                                           r"post-accumulate-grad hook before "
+                                           r"opt\.attach_hooks\(model\)"):
+        _run_with_user_hook(True, False)

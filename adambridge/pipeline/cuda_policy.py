@@ -6,6 +6,7 @@ Kept out of pipeline/hooks.py, which calls these at attach time and at the top o
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import sys
 from typing import Any, Optional, Sequence
@@ -75,6 +76,36 @@ def check_model(model: Optional[torch.nn.Module]) -> None:
         warn_once("compiled", "adambridge: the model is torch.compile'd, so its backward is "
                   "one graph whose gradients all appear at its end; the host updates then "
                   "overlap little of backward (the results are the same as step())")
+
+
+def check_compiled_elsewhere(model: Optional[torch.nn.Module]) -> None:
+    """At the first step: attach_hooks was given the plain module, but its forward may run
+    through torch.compile (``model.compile()``, or a ``torch.compile(model)`` wrapper kept
+    beside it), whose backward is one graph as well."""
+    if model is None or "torch._dynamo" not in sys.modules:  # nothing compiled without it
+        return
+    if getattr(model, "_compiled_call_impl", None) is not None or _wrapped_by_compile(model):
+        warn_once("compiled", "adambridge: the model given to attach_hooks() runs through "
+                  "torch.compile, so its backward is one graph whose gradients all appear "
+                  "at its end; the host updates then overlap little of backward (the "
+                  "results are the same as step())")
+
+
+def _wrapped_by_compile(model: torch.nn.Module) -> bool:
+    # NOTE: an OptimizedModule holds the module in its _modules dict, which its own __dict__
+    # holds: the wrapper is found up to three referrers away, through dicts only. Run once
+    # per attach_hooks, at the first (held) step.
+    kind = getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None)
+    if kind is None:
+        return False
+    level = [model]
+    for _ in range(3):
+        refs = [r for x in level for r in gc.get_referrers(x)]
+        if any(isinstance(r, kind) and getattr(r, "_orig_mod", None) is model for r in refs):
+            return True
+        # (module namespaces lead everywhere; each get_referrers walks the whole heap)
+        level = [r for r in refs if isinstance(r, dict) and "__builtins__" not in r][:16]
+    return False
 
 
 def _capturing(p: torch.Tensor) -> bool:

@@ -87,6 +87,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
                  hook_grads: bool = True, edits_grads: bool = False,
                  verify_steps: int = 0) -> None:
         self._opt_ref = weakref.ref(opt)  # the optimizer owns us, not the other way round
+        self._model_ref = None if model is None else weakref.ref(model)
         self.owned = [p for group in opt.param_groups for p in group["params"]]
         in_model = self.owned if model is None else _model_params(model, self.owned)
         # A parameter without elements has nothing to overlap (and nothing to copy): it
@@ -507,6 +508,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._micro = 0
         self.end_views(record)
         self._remember_used(record)
+        if not self._warm and self._model_ref is not None:
+            cuda_policy.check_compiled_elsewhere(self._model_ref())
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats

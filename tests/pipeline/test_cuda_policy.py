@@ -97,6 +97,40 @@ def test_policy_compiled_module_warns_at_attach(monkeypatch, caplog):
     assert len(caplog.records) == 1 and "torch.compile'd" in caplog.records[0].message
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model) beside it", "model.compile()"])
+def test_policy_plain_module_run_through_compile_warns_at_the_first_step(monkeypatch, caplog,
+                                                                         how):
+    # attach_hooks() is given the plain module; the forward runs through torch.compile.
+    monkeypatch.setattr(cuda_policy, "_warned", set())
+    model = _model()
+    if how == "model.compile()":
+        model.compile(backend="eager")
+    else:
+        compiled = torch.compile(model, backend="eager")  # noqa: F841 - kept beside the model
+    opt = AdamBridge(model.parameters(), lr=1e-3, small_param_threshold=0)
+    opt.attach_hooks(model)
+    with caplog.at_level(logging.WARNING, logger="adambridge"):
+        for _ in range(2):
+            model(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+    opt.detach_hooks()
+    notes = [r.message for r in caplog.records if "runs through torch.compile" in r.message]
+    assert len(notes) == 1
+
+
+def test_policy_plain_module_without_compile_gives_no_compile_note(monkeypatch, caplog):
+    monkeypatch.setattr(cuda_policy, "_warned", set())
+    torch.compile(_model(), backend="eager")  # another model's wrapper: not this one's
+    model = _model()
+    opt = AdamBridge(model.parameters(), lr=1e-3, small_param_threshold=0)
+    opt.attach_hooks(model)
+    with caplog.at_level(logging.WARNING, logger="adambridge"):
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+    opt.detach_hooks()
+    assert not [r for r in caplog.records if "torch.compile" in r.message]
+
+
 @pytest.mark.parametrize("case", [
     dict(desc="one node, CUDA: unpinned, one thread short", nodes=1, device="cuda",
          expect=((), 7)),

@@ -49,7 +49,7 @@ from transformers import trainer as hf_trainer
 
 from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import unwrap_optimizer
+from ._common import innermost, unwrap_optimizer
 
 _WHO = "AdamBridgeCallback"
 # TrainingArguments.optim values that mean plain AdamW: the ones AdamBridge stands in for.
@@ -94,9 +94,12 @@ def stream_saves(trainer: Trainer) -> Trainer:
         if not _saves_with_torch_save(trainer):
             own(output_dir)
             return
+        if trainer.args.should_save or _gathers(trainer.optimizer):
+            state = trainer.optimizer.state_dict()  # shard_state: a collective, every rank
+            if trainer.args.should_save:
+                checkpoint.save(state, os.path.join(output_dir, hf_trainer.OPTIMIZER_NAME))
+            del state
         if trainer.args.should_save:
-            checkpoint.save(trainer.optimizer.state_dict(),
-                            os.path.join(output_dir, hf_trainer.OPTIMIZER_NAME))
             with warnings.catch_warnings(record=True) as caught:
                 torch.save(trainer.lr_scheduler.state_dict(),
                            os.path.join(output_dir, hf_trainer.SCHEDULER_NAME))
@@ -110,6 +113,12 @@ def stream_saves(trainer: Trainer) -> Trainer:
         if isinstance(callback, AdamBridgeCallback):
             callback.saves_stream = True
     return trainer
+
+
+def _gathers(optimizer: Any) -> bool:
+    """Whether state_dict() is a collective: shard_state gathers every rank's ranges."""
+    inner = innermost(optimizer)
+    return isinstance(inner, AdamBridge) and inner.shard_group is not None
 
 
 def _saves_with_torch_save(trainer: Trainer) -> bool:
@@ -137,6 +146,11 @@ class AdamBridgeCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(kwargs.get("optimizer"), _WHO)
+        if opt.shard_group is not None and not self.saves_stream and _saves_optimizer(args):
+            raise ValueError(f"{_WHO}: the Trainer saves the optimizer on one process and "
+                             f"shard_state's state_dict() gathers from every rank, so its first "
+                             f"save would hang; call adambridge.integrations.transformers."
+                             f"stream_saves(trainer) before train()")
         if opt.nvme_tier is not None and not self.saves_stream and _saves_optimizer(args):
             warnings.warn("the Trainer's checkpoints hold the NVMe tier's whole state in RAM "
                           "while saving (torch.save); call adambridge.integrations."

@@ -132,11 +132,27 @@ def _saves_optimizer(args: Any) -> bool:
     return strategy != "no" and not args.save_only_model
 
 
+def _check_unstreamed_saves(opt: AdamBridge, args: Any) -> None:
+    """The Trainer's own torch.save: refused where it would hang, a warning where it holds
+    the NVMe tier's state in RAM."""
+    if opt.shard_group is not None and args.world_size > 1:
+        raise ValueError(f"{_WHO}: the Trainer saves the optimizer on one process and "
+                         f"shard_state's state_dict() gathers from every rank, so its first "
+                         f"save would hang; call adambridge.integrations.transformers."
+                         f"stream_saves(trainer) before train()")
+    if opt.nvme_tier is not None:
+        warnings.warn("the Trainer's checkpoints hold the NVMe tier's whole state in RAM "
+                      "while saving (torch.save); call adambridge.integrations."
+                      "transformers.stream_saves(trainer) once to save it streamed",
+                      stacklevel=3)
+
+
 class AdamBridgeCallback(TrainerCallback):
     """Checks the Trainer's settings and, with ``async_mode``, attaches the hooks for ``train()``.
 
-    With the NVMe tier it warns once when the Trainer's saves would hold the tier's state in
-    RAM (``stream_saves(trainer)`` was not called).
+    Without ``stream_saves(trainer)`` (called after the callbacks are in the Trainer) it
+    warns once with the NVMe tier, whose state the Trainer's saves would hold in RAM, and
+    refuses shard_state on several ranks, where the Trainer's first save would hang.
     """
 
     def __init__(self, async_mode: bool = True) -> None:
@@ -146,16 +162,8 @@ class AdamBridgeCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(kwargs.get("optimizer"), _WHO)
-        if opt.shard_group is not None and not self.saves_stream and _saves_optimizer(args):
-            raise ValueError(f"{_WHO}: the Trainer saves the optimizer on one process and "
-                             f"shard_state's state_dict() gathers from every rank, so its first "
-                             f"save would hang; call adambridge.integrations.transformers."
-                             f"stream_saves(trainer) before train()")
-        if opt.nvme_tier is not None and not self.saves_stream and _saves_optimizer(args):
-            warnings.warn("the Trainer's checkpoints hold the NVMe tier's whole state in RAM "
-                          "while saving (torch.save); call adambridge.integrations."
-                          "transformers.stream_saves(trainer) once to save it streamed",
-                          stacklevel=2)
+        if not self.saves_stream and _saves_optimizer(args):
+            _check_unstreamed_saves(opt, args)
         from .accelerate import report_skipped_steps
         report_skipped_steps(kwargs["optimizer"])
         if not self.async_mode:

@@ -1,11 +1,12 @@
-"""Which files a framework's save wrote through ``adambridge.checkpoint.save`` (the streaming save)."""
+"""Which files a framework's save wrote through ``adambridge.checkpoint.save``."""
 import os
 
 import adambridge.checkpoint
 
 
 def record_streamed_saves(monkeypatch) -> list:
-    """The paths ``adambridge.checkpoint.save`` writes from now on, in order; it still writes them."""
+    """The paths ``adambridge.checkpoint.save`` writes from now on, in order (it still
+    writes them)."""
     written, save = [], adambridge.checkpoint.save
 
     def recording(obj, f):

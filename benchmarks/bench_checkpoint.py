@@ -2,6 +2,15 @@
 
     python benchmarks/bench_checkpoint.py                      # 51.2M parameters, 5 layers
     python benchmarks/bench_checkpoint.py --params 6M --layers 6 --paths torch,mmap
+    python benchmarks/bench_checkpoint.py --paths nvme_trainer,nvme_accelerate,nvme_lightning,lightning
+    python benchmarks/bench_checkpoint.py --paths nvme_trainer --framework-saves own   # before
+
+The framework paths save through the framework, with adambridge.integrations' streaming
+saves (``--framework-saves own``: the framework's own ``torch.save``, as before them): the
+HF Trainer's ``_save_optimizer_and_scheduler`` (optimizer and scheduler), accelerate's
+``save_state`` (model as safetensors, optimizer, RNG states) and Lightning's CheckpointIO
+given Lightning's checkpoint dict (``state_dict`` and ``optimizer_states``); their file
+column is the whole folder or file the framework writes, model included.
 
 The model is ``layers`` equal bf16 ``Linear(w, w, bias=False)`` layers. Every phase (one save
 or one load, one optimizer) runs in a fresh process: it builds the model and the optimizer,
@@ -54,7 +63,12 @@ PATHS = {
     "shard_state_mmap": (2, False, True, "shard_state"),
     "shard_state_dcp": (2, True, True, "shard_state_dcp"),
     "fsdp2": (2, True, True, "fsdp2"),
+    "nvme_trainer": (1, True, False, "nvme_trainer"),
+    "nvme_accelerate": (1, True, False, "nvme_accelerate"),
+    "nvme_lightning": (1, True, False, "nvme_lightning"),
+    "lightning": (1, True, False, "lightning"),
 }
+FRAMEWORKS = ("trainer", "accelerate", "lightning")  # the last word of a framework path
 TITLES = {
     "torch": "torch.save(opt.state_dict()) / opt.load_state_dict(torch.load(f))",
     "mmap": "opt.load_state_dict(torch.load(f, mmap=True))",
@@ -68,6 +82,10 @@ TITLES = {
     "shard_state_mmap": "shard_state=True, 2 gloo ranks: torch.load(f, mmap=True)",
     "shard_state_dcp": "shard_state=True, 2 gloo ranks: DCP of opt.sharded_state_dict()",
     "fsdp2": "FSDP2 (fully_shard), 2 gloo ranks: DCP get_/set_",
+    "nvme_trainer": "NVMe tier: HF Trainer's optimizer and scheduler save",
+    "nvme_accelerate": "NVMe tier: accelerate's save_state",
+    "nvme_lightning": "NVMe tier: Lightning's CheckpointIO.save_checkpoint",
+    "lightning": "Lightning's CheckpointIO.save_checkpoint",
 }
 
 
@@ -182,6 +200,37 @@ def _save(spec: dict, model, opt) -> None:
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=target)
 
 
+def _framework_saver(spec: dict, model, opt):
+    """The framework path's save, set up (imports, wrappers) before the measure."""
+    import torch
+    target, plain = _file(spec), spec.get("framework_saves") == "own"
+    framework = spec["path"].rsplit("_", 1)[-1]
+    if framework == "trainer":
+        import transformers
+        from adambridge.integrations.transformers import stream_saves
+        args = transformers.TrainingArguments(os.path.join(spec["dir"], "hf"), use_cpu=True,
+                                              report_to=[], disable_tqdm=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, schedule))
+        if not plain:
+            stream_saves(trainer)
+        os.makedirs(target, exist_ok=True)
+        return lambda: trainer._save_optimizer_and_scheduler(target)
+    if framework == "accelerate":
+        from accelerate import Accelerator
+        from adambridge.integrations.accelerate import stream_saves
+        accelerator = Accelerator(cpu=True)
+        accelerator.prepare(model, opt)
+        if not plain:
+            stream_saves(accelerator)
+        return lambda: accelerator.save_state(target)
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from adambridge.integrations.lightning import AdamBridgeCheckpointIO
+    io = TorchCheckpointIO() if plain else AdamBridgeCheckpointIO()
+    return lambda: io.save_checkpoint(
+        {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]}, target)
+
+
 def _load(spec: dict, model, opt) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -240,6 +289,11 @@ def _warm_up(spec: dict) -> None:
         osd = get_optimizer_state_dict(model, fresh)
         dcp.load({"optim": osd}, checkpoint_id=folder)
         set_optimizer_state_dict(model, fresh, osd)
+    if spec["path"].rsplit("_", 1)[-1] in FRAMEWORKS:
+        framework = dict(tiny, path=spec["path"], phase="warm")
+        warm = _optimizer(framework, model)
+        _step(model, warm)
+        _framework_saver(framework, model, warm)()
     if spec["path"] == "shard_state_dcp" and spec["optimizer"] != "adamw":
         import torch.distributed.checkpoint as dcp
         sharded = dict(tiny, path="shard_state_dcp")
@@ -271,6 +325,8 @@ def run_phase(spec: dict) -> dict:
         # The state the load writes into, made before the measure: a resumed run has taken
         # this zero-lr step (as DCP's get_optimizer_state_dict takes it) before it loads.
         _zero_lr_step(model, opt)
+    save = (_framework_saver(spec, model, opt) if spec["path"].rsplit("_", 1)[-1] in FRAMEWORKS
+            else lambda: _save(spec, model, opt))
     _warm_up(spec)
     _settle()
     held_before = _held(opt)
@@ -279,7 +335,7 @@ def run_phase(spec: dict) -> dict:
         refs.write("5")  # VmHWM restarts from the current RSS
     began = time.perf_counter()
     if spec["phase"] == "save":
-        _save(spec, model, opt)
+        save()
     else:
         _load(spec, model, opt)
         _touch(opt)
@@ -351,11 +407,12 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].isalpha() else int(text)
 
 
-def run(params: int, layers: int, paths: list, optimizers: list, folder: str) -> dict:
+def run(params: int, layers: int, paths: list, optimizers: list, folder: str,
+        framework_saves: str = "streamed") -> dict:
     """{(path, optimizer): {'save': ..., 'load': ..., 'file': bytes}} for a model of about
     ``params`` parameters in ``layers`` layers."""
     width = int(math.sqrt(params / layers))
-    base = dict(width=width, layers=layers, dir=folder)
+    base = dict(width=width, layers=layers, dir=folder, framework_saves=framework_saves)
     results = {}
     for path in paths:
         _, saves, loads, source = PATHS[path]
@@ -422,6 +479,9 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--dir", help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--framework-saves", choices=("streamed", "own"), default="streamed",
+                        help="framework paths: adambridge.integrations' streaming saves, or "
+                             "the framework's own torch.save (before them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -434,7 +494,7 @@ def main(argv=None) -> int:
     os.makedirs(folder, exist_ok=True)
     try:
         params = parse_count(args.params)
-        results = run(params, args.layers, paths, optimizers, folder)
+        results = run(params, args.layers, paths, optimizers, folder, args.framework_saves)
         print(report(results, params, args.layers, paths, optimizers))
         if args.json:
             with open(args.json, "w") as out:

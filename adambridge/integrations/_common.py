@@ -6,13 +6,19 @@ from typing import Any
 from ..optimizer import AdamBridge
 
 
-def unwrap_optimizer(optimizer: Any, who: str) -> AdamBridge:
-    """The AdamBridge under framework wrappers (accelerate, Lightning), or a one-line error."""
+def innermost(optimizer: Any) -> Any:
+    """The optimizer under framework wrappers (accelerate, Lightning): an AdamBridge or not."""
     inner, seen = optimizer, set()
     # AcceleratedOptimizer and LightningOptimizer both expose the wrapped one as .optimizer.
     while not isinstance(inner, AdamBridge) and hasattr(inner, "optimizer") and id(inner) not in seen:
         seen.add(id(inner))
         inner = inner.optimizer
+    return inner
+
+
+def unwrap_optimizer(optimizer: Any, who: str) -> AdamBridge:
+    """The AdamBridge under framework wrappers (accelerate, Lightning), or a one-line error."""
+    inner = innermost(optimizer)
     if not isinstance(inner, AdamBridge):
         raise TypeError(f"{who}: the optimizer is {type(inner).__name__}, not AdamBridge; "
                         f"build it with adambridge.AdamBridge")

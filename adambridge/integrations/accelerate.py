@@ -20,6 +20,12 @@ hook, see distributed/fsdp.py), so the hooks go on that wrapper; ``accumulate`` 
 micro-batches under ``no_sync``, so nothing is reduced or updated before the closing one. ``save_state`` / ``load_state`` go through
 ``state_dict`` / ``load_state_dict`` and may be called with hooks attached.
 
+Saving: ``save_state`` writes each optimizer with ``torch.save(optimizer.state_dict(), f)``,
+which holds every tensor it pickles until the end, so the NVMe tier's entries (read from
+its files when pickled) are all in RAM at once. ``stream_saves(accelerator)`` (done by
+``attach_hooks``) makes ``save_state`` write those same files with
+``adambridge.checkpoint.save``, one tensor at a time; ``load_state`` reads them as ever.
+
 fp16 with a GradScaler: GradScaler hands AdamBridge its inf flag, so our ``step()`` runs and
 skips itself, while accelerate counts a step as skipped only when ``step()`` was not called
 (its scheduler would then advance on a skipped step). ``report_skipped_steps(optimizer)``
@@ -27,12 +33,17 @@ skips itself, while accelerate counts a step as skipped only when ``step()`` was
 """
 from __future__ import annotations
 
+import re
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate import checkpointing
+from accelerate.state import PartialState
+from accelerate.utils import OPTIMIZER_NAME, DistributedType
 
+from .. import checkpoint
 from ..optimizer import AdamBridge
 from ._common import unwrap_optimizer
 
@@ -49,10 +60,58 @@ def attach_hooks(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> Ad
     _refuse(accelerator)
     opt = unwrap_optimizer(optimizer, _WHO)
     report_skipped_steps(optimizer)
+    stream_saves(accelerator)
     gradient_state = accelerator.gradient_state
     opt.attach_hooks(_ddp_in(model) or accelerator.unwrap_model(model),
                      closes_window=lambda: bool(gradient_state.sync_gradients))
     return opt
+
+
+# save_accelerator_state's optimizer files: optimizer.bin, optimizer_1.bin, ...
+_OPTIMIZER_FILE = re.compile(rf"{re.escape(OPTIMIZER_NAME)}(_[0-9]+)?\.bin")
+
+
+def stream_saves(accelerator: Any) -> Any:
+    """Make ``accelerator.save_state`` write its optimizer files with
+    ``adambridge.checkpoint.save`` (the same files, written one tensor at a time).
+
+    Returns ``accelerator``. ``load_state`` reads the files as ever. Model weights,
+    schedulers and the rest are saved by accelerate as before.
+    """
+    own = accelerator.save_state
+    if getattr(own, "streams", False):
+        return accelerator
+
+    def save_state(*args: Any, **kwargs: Any) -> Any:
+        # NOTE: accelerate writes each optimizer's state_dict() with its module-level save()
+        # and offers no hook in between, so that one function is replaced for the duration
+        # of this call; it hands every other file (and any other caller) to accelerate's.
+        accelerate_save = checkpointing.save
+        checkpointing.save = _streaming_save(accelerate_save)
+        try:
+            return own(*args, **kwargs)
+        finally:
+            checkpointing.save = accelerate_save
+
+    save_state.streams = True
+    accelerator.save_state = save_state
+    return accelerator
+
+
+def _streaming_save(accelerate_save: Any) -> Any:
+    def save(obj: Any, f: Any, save_on_each_node: bool = False,
+             safe_serialization: bool = False) -> None:
+        streams = (not safe_serialization and isinstance(f, (str, Path))
+                   and _OPTIMIZER_FILE.fullmatch(Path(f).name) is not None
+                   and PartialState().distributed_type != DistributedType.XLA)
+        if not streams:
+            accelerate_save(obj, f, save_on_each_node=save_on_each_node,
+                            safe_serialization=safe_serialization)
+            return
+        state = PartialState()  # the processes accelerate's save() writes from
+        if state.is_local_main_process if save_on_each_node else state.is_main_process:
+            checkpoint.save(obj, f)
+    return save
 
 
 def _ddp_in(model: Any) -> Any:

@@ -30,15 +30,26 @@ Why the callback is enough (transformers/trainer.py, ``_inner_training_loop``):
 
 The hooks are removed at ``on_train_end``, and before attaching again if an earlier
 ``train()`` ended in an exception.
+
+Saving: the Trainer writes the optimizer with ``torch.save(optimizer.state_dict(), path)``,
+which holds every tensor it pickles until the end, so the NVMe tier's entries (read from
+its files when pickled) are all in RAM at once. ``stream_saves(trainer)`` makes the
+Trainer write that same file with ``adambridge.checkpoint.save``, one tensor at a time;
+``resume_from_checkpoint`` loads it with the Trainer's own ``torch.load``.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Optional
 
-from transformers import TrainerCallback
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers import trainer as hf_trainer
 
+from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import unwrap_optimizer
+from ._common import innermost, unwrap_optimizer
 
 _WHO = "AdamBridgeCallback"
 # TrainingArguments.optim values that mean plain AdamW: the ones AdamBridge stands in for.
@@ -64,15 +75,95 @@ def optimizer_cls_and_kwargs(args: Any, **adambridge_kwargs: Any) -> tuple[type,
     return AdamBridge, kwargs
 
 
+def stream_saves(trainer: Trainer) -> Trainer:
+    """Make ``trainer`` write its optimizer checkpoint with ``adambridge.checkpoint.save``.
+
+    The file, its name and its loading are the Trainer's own; only the writing streams, so
+    saving the NVMe tier holds one tensor of its state instead of all of it. Set-ups where
+    the Trainer does not save with ``torch.save`` (DeepSpeed, FSDP, XLA, SageMaker MP) keep
+    the Trainer's save. Returns ``trainer``.
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"stream_saves(trainer): trainer is {type(trainer).__name__}, not a "
+                        f"transformers.Trainer; pass the Trainer you will train")
+    own = trainer._save_optimizer_and_scheduler
+    if getattr(own, "streams", False):
+        return trainer
+
+    def save_optimizer_and_scheduler(output_dir: str) -> None:
+        if not _saves_with_torch_save(trainer):
+            own(output_dir)
+            return
+        if trainer.args.should_save or _gathers(trainer.optimizer):
+            state = trainer.optimizer.state_dict()  # shard_state: a collective, every rank
+            if trainer.args.should_save:
+                checkpoint.save(state, os.path.join(output_dir, hf_trainer.OPTIMIZER_NAME))
+            del state
+        if trainer.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(trainer.lr_scheduler.state_dict(),
+                           os.path.join(output_dir, hf_trainer.SCHEDULER_NAME))
+            hf_trainer.reissue_pt_warnings(caught)
+
+    save_optimizer_and_scheduler.streams = True
+    # NOTE: the Trainer has no hook between state_dict() and its torch.save, so the one
+    # method that makes both is replaced on this Trainer only, for the set-up it handles.
+    trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, AdamBridgeCallback):
+            callback.saves_stream = True
+    return trainer
+
+
+def _gathers(optimizer: Any) -> bool:
+    """Whether state_dict() is a collective: shard_state gathers every rank's ranges."""
+    inner = innermost(optimizer)
+    return isinstance(inner, AdamBridge) and inner.shard_group is not None
+
+
+def _saves_with_torch_save(trainer: Trainer) -> bool:
+    """Whether the Trainer saves the optimizer with plain torch.save (its last branch)."""
+    return not (hf_trainer.is_torch_xla_available() or hf_trainer.is_sagemaker_mp_enabled()
+                or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
+
+
+def _saves_optimizer(args: Any) -> bool:
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    return strategy != "no" and not args.save_only_model
+
+
+def _check_unstreamed_saves(opt: AdamBridge, args: Any) -> None:
+    """The Trainer's own torch.save: refused where it would hang, a warning where it holds
+    the NVMe tier's state in RAM."""
+    if opt.shard_group is not None and args.world_size > 1:
+        raise ValueError(f"{_WHO}: the Trainer saves the optimizer on one process and "
+                         f"shard_state's state_dict() gathers from every rank, so its first "
+                         f"save would hang; call adambridge.integrations.transformers."
+                         f"stream_saves(trainer) before train()")
+    if opt.nvme_tier is not None:
+        warnings.warn("the Trainer's checkpoints hold the NVMe tier's whole state in RAM "
+                      "while saving (torch.save); call adambridge.integrations."
+                      "transformers.stream_saves(trainer) once to save it streamed",
+                      stacklevel=3)
+
+
 class AdamBridgeCallback(TrainerCallback):
-    """Checks the Trainer's settings and, with ``async_mode``, attaches the hooks for ``train()``."""
+    """Checks the Trainer's settings and, with ``async_mode``, attaches the hooks for ``train()``.
+
+    Without ``stream_saves(trainer)`` (called after the callbacks are in the Trainer) it
+    warns once with the NVMe tier, whose state the Trainer's saves would hold in RAM, and
+    refuses shard_state on several ranks, where the Trainer's first save would hang.
+    """
 
     def __init__(self, async_mode: bool = True) -> None:
         self.async_mode = bool(async_mode)
+        self.saves_stream = False
         self._attached: Optional[AdamBridge] = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(kwargs.get("optimizer"), _WHO)
+        if not self.saves_stream and _saves_optimizer(args):
+            _check_unstreamed_saves(opt, args)
         from .accelerate import report_skipped_steps
         report_skipped_steps(kwargs["optimizer"])
         if not self.async_mode:

@@ -42,3 +42,19 @@ def test_trainer_async_on_two_ranks_equals_sync_bit_for_bit(tmp_path):
     results = ranks.launch("trainer", 2, tmp_path)
     _check(results)
     assert all(r["async"]["world"] == 2 for r in results)
+
+
+def test_trainer_with_shard_state_saves_streamed_and_resumes_bit_for_bit(tmp_path):
+    # The Trainer calls state_dict() on its saving process only; shard_state's is a
+    # collective, so without stream_saves (which calls it on every rank) the first save hung.
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    results = ranks.launch("trainer_shard_state", 2, tmp_path)
+    for result in results:
+        whole, resumed = result["whole"], result["resumed"]
+        _assert_same(dict(params=resumed["params"], state=resumed["state"]),
+                     dict(params=whole["params"], state=whole["state"]))
+        assert result["unstreamed"]["refused"] == (
+            "AdamBridgeCallback: the Trainer saves the optimizer on one process and "
+            "shard_state's state_dict() gathers from every rank, so its first save would "
+            "hang; call adambridge.integrations.transformers.stream_saves(trainer) before "
+            "train()")

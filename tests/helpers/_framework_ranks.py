@@ -127,4 +127,38 @@ def trainer_ranks(rank: int, out_dir: str) -> dict:
     return {mode: _trainer_run(mode, out_dir) for mode in ("sync", "async")}
 
 
-SCENARIOS = {"accelerate": accelerate_ranks, "trainer": trainer_ranks}
+def _shard_state_run(out_dir: str, streamed: bool, resume: bool = False) -> dict:
+    """shard_state=True under the Trainer: 4 steps, a checkpoint every 2, or a resume from
+    step 2; the gathered state_dict() (a collective) and the parameters at the end."""
+    import transformers
+    from test_integrations_transformers import Rows, tiny_gpt2
+    from adambridge.integrations.transformers import (AdamBridgeCallback,
+                                                      optimizer_cls_and_kwargs, stream_saves)
+    args = transformers.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=1, max_steps=4, save_steps=2,
+        learning_rate=1e-2, report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
+        seed=0)
+    kwargs = optimizer_cls_and_kwargs(args, backend="torch", precision="bf16", shard_state=True)
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Rows(),
+                                   optimizer_cls_and_kwargs=kwargs,
+                                   callbacks=[AdamBridgeCallback(async_mode=False)])
+    if streamed:
+        stream_saves(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2")
+                      if resume else None)
+    except ValueError as refused:
+        return dict(refused=str(refused))
+    return dict(params=[p.detach().clone() for p in trainer.model.parameters()],
+                state=trainer.optimizer.optimizer.state_dict()["state"])
+
+
+def trainer_shard_state_ranks(rank: int, out_dir: str) -> dict:
+    folder = os.path.join(out_dir, "run")
+    return dict(whole=_shard_state_run(folder, streamed=True),
+                resumed=_shard_state_run(folder, streamed=True, resume=True),
+                unstreamed=_shard_state_run(os.path.join(out_dir, "plain"), streamed=False))
+
+
+SCENARIOS = {"accelerate": accelerate_ranks, "trainer": trainer_ranks,
+             "trainer_shard_state": trainer_shard_state_ranks}

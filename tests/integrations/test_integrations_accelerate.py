@@ -6,6 +6,7 @@ one-batch window), ``accelerator.clip_grad_norm_`` on every closing micro-batch,
 ``save_state`` after the first epoch. A resume is a fresh Accelerator that attaches the hooks,
 then ``load_state``s (the order a user script has), then runs the second epoch.
 """
+import os
 import types
 
 import pytest
@@ -15,6 +16,7 @@ accelerate = pytest.importorskip("accelerate", reason="needs accelerate (test ex
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
+from _streamed_saves import record_streamed_saves  # noqa: E402
 from adambridge import AdamBridge  # noqa: E402
 from adambridge.integrations import accelerate as integration  # noqa: E402
 
@@ -39,8 +41,10 @@ def make_run(mode: str):
                                           torch.randn(14, 4, generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
     model, opt, schedule, loader = accelerator.prepare(model, opt, schedule, loader)
-    if mode == "async":
+    if mode == "async":  # which also streams save_state's optimizer files
         assert isinstance(integration.attach_hooks(accelerator, model, opt), AdamBridge)
+    else:
+        integration.stream_saves(accelerator)
     return accelerator, model, opt, schedule, loader
 
 
@@ -119,6 +123,22 @@ def test_load_state_then_second_epoch_equals_uninterrupted_run(runs, mode):
     resumed, whole = runs[mode, "resumed"], runs[mode, "fires"]
     assert resumed["norms"] == whole["norms"][STEPS_PER_EPOCH:]
     assert_same(whole, resumed)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_state_streams_the_optimizer_file_and_nothing_else(tmp_path, monkeypatch, mode):
+    # The resumes above load these files with accelerate's own load_state.
+    written = record_streamed_saves(monkeypatch)
+    own = accelerate.checkpointing.save
+    run = make_run(mode)
+    integration.stream_saves(run[0])  # a second call wraps nothing more
+    epoch(run, FIRES, [])
+    run[0].save_state(str(tmp_path))
+    assert written == [os.path.join(str(tmp_path), "optimizer.bin")]
+    assert {"model.safetensors", "scheduler.bin"} <= set(os.listdir(tmp_path))
+    assert accelerate.checkpointing.save is own  # accelerate's again once save_state returns
+    if mode == "async":
+        integration.detach_hooks(run[2])
 
 
 def test_attach_hooks_refuses_plugins_it_cannot_follow():

@@ -8,14 +8,17 @@ first epoch's last batch: the one point Lightning itself resumes exactly with a 
 DataLoader (sync mode too: mid-epoch it restarts the loader from its first batch, and from
 a checkpoint saved at on_train_epoch_end it runs one batch of the old epoch again).
 """
+import os
 import types
 
 import pytest
 import torch
 
 lightning = pytest.importorskip("lightning", reason="needs lightning (test extra)")
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+from _streamed_saves import record_streamed_saves  # noqa: E402
 from adambridge import AdamBridge  # noqa: E402
 from adambridge.integrations import lightning as integration  # noqa: E402
 from adambridge.integrations.lightning import AdamBridgeCallback  # noqa: E402
@@ -79,9 +82,10 @@ class Norms(lightning.Callback):
             self.pending = None
 
 
-def fit(folder: str, mode: str, clip: float, algorithm: str = "norm", resume=None) -> dict:
+def fit(folder: str, mode: str, clip: float, algorithm: str = "norm", resume=None,
+        **trainer_kwargs) -> dict:
     model, norms = Tiny(), Norms()
-    trainer = lightning.Trainer(
+    trainer = lightning.Trainer(**trainer_kwargs,
         accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=2,
         gradient_clip_val=clip, gradient_clip_algorithm=algorithm, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -94,7 +98,25 @@ def fit(folder: str, mode: str, clip: float, algorithm: str = "norm", resume=Non
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: opt.state[p][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
              for p in model.parameters()]
-    return dict(params=params, state=state, norms=norms.norms, lr=opt.param_groups[0]["lr"])
+    return dict(params=params, state=state, norms=norms.norms, lr=opt.param_groups[0]["lr"],
+                io=trainer.strategy.checkpoint_io)
+
+
+class OwnIO(TorchCheckpointIO):
+    """A user's own CheckpointIO: the callback leaves it in place."""
+
+
+@pytest.mark.parametrize("plugins, streams", [([], True), ([OwnIO()], False)],
+                         ids=["default io", "own io"])
+def test_callback_streams_the_checkpoints_unless_the_io_is_the_users(tmp_path, monkeypatch,
+                                                                    plugins, streams):
+    # The resumes of this file load the streamed files with Lightning's own load.
+    written = record_streamed_saves(monkeypatch)
+    run = fit(str(tmp_path), "sync", NEVER_FIRES, plugins=plugins)
+    saved = [os.path.join(str(tmp_path), f"step={step}.ckpt") for step in (STEPS_PER_EPOCH, STEPS)]
+    assert all(os.path.isfile(path) for path in saved)
+    assert written == (saved if streams else [])
+    assert isinstance(run["io"], integration.AdamBridgeCheckpointIO) is streams
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from adambridge import AdamBridge  # noqa: E402
 from adambridge.integrations.transformers import (  # noqa: E402
-    AdamBridgeCallback, optimizer_cls_and_kwargs)
+    AdamBridgeCallback, optimizer_cls_and_kwargs, stream_saves)
+from _streamed_saves import record_streamed_saves  # noqa: E402
 
 FIRES, NEVER_FIRES = 0.05, 1e6  # max_grad_norm below / far above this model's gradient norm
 STEPS, SAVE_EVERY = 6, 3
@@ -76,8 +77,26 @@ def train(out: str, mode: str, max_grad_norm: float, resume: str = None, thresho
                                    optimizer_cls_and_kwargs=kwargs,
                                    callbacks=[AdamBridgeCallback(async_mode=mode == "async"),
                                               probe])
+    stream_saves(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return dict(snapshot(trainer), probe=probe.seen)
+
+
+def test_stream_saves_writes_each_optimizer_checkpoint_streamed(tmp_path, monkeypatch):
+    # The resumes of this file load these files with the Trainer's own torch.load.
+    written = record_streamed_saves(monkeypatch)
+    train(str(tmp_path), "sync", NEVER_FIRES)
+    assert written == [os.path.join(str(tmp_path), f"checkpoint-{step}", "optimizer.pt")
+                       for step in (SAVE_EVERY, STEPS)]
+    assert all(os.path.isfile(os.path.join(os.path.dirname(path), "scheduler.pt"))
+               for path in written)
+
+
+@pytest.mark.parametrize("given", [object(), "trainer"], ids=["object", "str"])
+def test_stream_saves_refuses_what_is_not_a_trainer_in_one_line(given):
+    with pytest.raises(TypeError, match=r"^stream_saves\(trainer\): trainer is \w+, not a "
+                                        r"transformers\.Trainer; pass the Trainer"):
+        stream_saves(given)
 
 
 def snapshot(trainer) -> dict:

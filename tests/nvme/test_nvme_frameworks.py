@@ -14,6 +14,7 @@ import io
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -55,12 +56,14 @@ HF_STEPS, HF_SAVE_EVERY = 6, 3
 
 
 def hf_train(out: str, mode: str, max_grad_norm: float, tier: bool, resume: str = None,
-             precision: str = "fp32"):
+             precision: str = "fp32", streamed: bool = True):
     """The tiny GPT-2 of test_integrations_transformers: accumulation 2, a checkpoint every
-    3 steps; returns the Trainer and (parameters, state)."""
+    3 steps, saved streamed (stream_saves) unless ``streamed`` is False; returns the
+    Trainer and (parameters, state)."""
     import transformers
 
-    from adambridge.integrations.transformers import AdamBridgeCallback, optimizer_cls_and_kwargs
+    from adambridge.integrations.transformers import (AdamBridgeCallback,
+                                                      optimizer_cls_and_kwargs, stream_saves)
     from test_integrations_transformers import Rows, tiny_gpt2
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=2,
@@ -74,6 +77,8 @@ def hf_train(out: str, mode: str, max_grad_norm: float, tier: bool, resume: str 
     trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Rows(),
                                    optimizer_cls_and_kwargs=kwargs,
                                    callbacks=[AdamBridgeCallback(async_mode=mode == "async")])
+    if streamed:
+        stream_saves(trainer)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, hf_result(trainer)
 
@@ -128,6 +133,21 @@ def test_trainer_resume_while_the_old_trainer_lives_names_the_fix(hf_runs, mode)
     message = hf_runs[mode, "alive"]
     assert "\n" not in message and "is in use by another optimizer" in message
     assert "opt.nvme_tier.close() on the old optimizer" in message
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream_saves", "torch.save"])
+def test_trainer_warns_when_the_tier_is_saved_without_stream_saves(tmp_path, streamed):
+    pytest.importorskip("transformers", reason="needs transformers (test extra)")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = hf_train(str(tmp_path), "sync", 0.05, tier=True, streamed=streamed)
+    trainer.optimizer.optimizer.nvme_tier.close()
+    told = [str(w.message) for w in caught if "stream_saves(trainer)" in str(w.message)]
+    assert told == ([] if streamed else [
+        "the Trainer's checkpoints hold the NVMe tier's whole state in RAM while saving "
+        "(torch.save); call adambridge.integrations.transformers.stream_saves(trainer) once "
+        "to save it streamed"])
 
 
 _RESUME_IN_A_NEW_PROCESS = """

@@ -10,6 +10,7 @@ path is checked against step() bit for bit on the same model.
   python benchmarks/bench_step.py --preset gpu --precisions bf16 --sweep   # + crossover
   python benchmarks/bench_step.py --preset cpu --precisions bf16 --hyper-costs  # lr writes
   python benchmarks/bench_step.py --preset cpu --precisions bf16 --grad-costs   # p.grad use
+  python benchmarks/bench_step.py --precisions fp32 --loops   # per loop: async / sync
 
 "sync" is step() on the device's parameters: one pinned staging buffer each way and one
 stream sync per step (sync/transfer.py). The sweep grows tokens per step (batch x 1024) and
@@ -252,7 +253,8 @@ def time_variants(variants: list, cfg: dict, device: torch.device, tokens: torch
                 stats = getattr(variant.opt, "last_step_stats", None)
                 if stats is not None:
                     host[variant.name].append((stats.host_update_s, stats.sync_wait_s,
-                                               stats.d2h_s, stats.h2d_s, stats.wall_s))
+                                               stats.d2h_s, stats.h2d_s, stats.wall_s,
+                                               stats.elems_in_backward, stats.elems_in_step))
         if time.perf_counter() - began > max_seconds and round_index > cfg["warmup"]:
             break  # the time budget is spent; report what was measured
     return times, host
@@ -265,6 +267,9 @@ def _row(variant: Variant, times: list, measured: list, peak: Optional[float]) -
                steps=len(times), peak_gib=peak, state_mib=host_mib, pinned_mib=pinned_mib)
     for i, key in enumerate(("host_update_ms", "sync_wait_ms", "d2h_ms", "h2d_ms", "wall_ms")):
         row[key] = median(i) if median else None
+    # The share of the updated elements that ran during backward (async rows: StepStats).
+    overlapped, waited = (sum(m[i] for m in measured) for i in (5, 6))
+    row["off_path"] = overlapped / (overlapped + waited) if overlapped + waited else None
     return row
 
 
@@ -362,8 +367,9 @@ def table(result: dict) -> str:
              f"{min(r['steps'] for r in result['rows'])}+ interleaved steps.",
              *([result["trust_line"]] if "trust_line" in result else []), "",
              "| variant | step ms | vs torch AdamW | async vs sync | host update ms | "
-             "step_sync wait ms | d2h / h2d ms | GPU peak GiB | host MiB (pinned) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "step_sync wait ms | d2h / h2d ms | update off the critical path | GPU peak GiB "
+             "| host MiB (pinned) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for name, r in rows.items():
         vs_base = f"{r['median_ms'] / base['median_ms']:.2f}x" if base else "-"
@@ -377,6 +383,8 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['median_ms']:.1f} | {vs_base} | {vs_sync} | "
                      f"{fmt(r['host_update_ms'], '.1f')} | {fmt(r['sync_wait_ms'], '.1f')} | "
                      f"{fmt(r.get('d2h_ms'), '.1f')} / {fmt(r.get('h2d_ms'), '.1f')} | "
+                     f"{fmt(r.get('off_path') and 100 * r['off_path'], '.0f')}"
+                     f"{'%' if r.get('off_path') is not None else ''} | "
                      f"{fmt(r['peak_gib'], '.2f')} | {r['state_mib']:.1f} "
                      f"({fmt(r.get('pinned_mib'), '.1f')}) |")
     return "\n".join(lines)
@@ -408,7 +416,15 @@ def main(argv: Optional[list] = None) -> int:
                         help="time async mode with lr written before each backward, after the "
                              "first one only (the watch), and after each (llm.c's loop), "
                              "first of --precisions")
+    parser.add_argument("--loops", action="store_true",
+                        help="instead: the optimizer's critical-path time async / sync per "
+                             "training loop (clipping, GradScaler, gradient edits), with the "
+                             "share of the update that ran off it (bench_loops.py), first of "
+                             "--precisions")
     args = parser.parse_args(argv)
+    if args.loops:
+        import bench_loops  # (beside this file: the script's own folder is on sys.path)
+        return bench_loops.main(["--precision", args.precisions.split(",")[0]])
     if args.preset == "gpu" and not torch.cuda.is_available():
         parser.error("the gpu preset needs a CUDA device")
     names = ["torch AdamW"]

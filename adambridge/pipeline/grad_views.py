@@ -230,30 +230,59 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _unless_unchanged(func: Any, args: tuple, kwargs: dict, written: list) -> Any:
-    """``func`` run on copies of the written gradients first. A write that changes no bit
+    """``func`` run aside first: on copies of the written gradients, or (an in-place op
+    with an out-of-place twin) as that twin. A write that changes no bit
     (``clip_grad_value_`` under its limit, ``nan_to_num_`` of finite values) is not a write:
     the step goes on as if it never happened, updates keep overlapping backward. One that
     changes a value is made as any write is (asked first, so it may be refused), with the
     values computed here."""
-    flat, spec = tree_flatten((args, kwargs))
-    before = {id(view): view.source.read() for view in written}
-    trial = {key: values.clone() for key, values in before.items()}
-    values = [trial[id(x)] if id(x) in trial else x.source.read()
-              if isinstance(x, SourcedTensor) else x for x in flat]
-    call_args, call_kwargs = tree_unflatten(values, spec)
-    out = func(*call_args, **call_kwargs)
-    if not all(_same_bits(trial[key], before[key]) for key in trial):
+    before = [view.source.read() for view in written]
+    twin = _out_of_place_twin(func, args, written)
+    if twin is not None:
+        call_args, call_kwargs = _values(args, kwargs, {})
+        out = twin(*call_args, **call_kwargs)
+        after = [x.to(b.dtype) for x, b in zip(out if isinstance(out, (list, tuple))
+                                               else [out], before)]
+        out = args[0] if isinstance(args[0], torch.Tensor) else None  # what func_ returns
+        if any(a.shape != b.shape for a, b in zip(after, before)):
+            twin = None  # (a broadcast the in-place op would refuse: run it as written)
+    if twin is None:
+        after = [b.clone() for b in before]
+        call_args, call_kwargs = _values(args, kwargs, {id(v): a for v, a in zip(written, after)})
+        out = func(*call_args, **call_kwargs)
+    if not all(_same_bits(a, b) for a, b in zip(after, before)):
         _writing.op = func.overloadpacket.__name__
         try:
             opened = [(view, view.source.open_write()) for view in written]  # may refuse
         finally:
             _writing.op = None
-        for view, tensor in opened:
-            tensor.copy_(trial[id(view)])
+        for (view, tensor), values in zip(opened, after):
+            tensor.copy_(values)
             view.source.close_write(tensor)
-    by_tensor = {id(trial[id(view)]): view for view in written}
+    by_tensor = {id(a): view for view, a in zip(written, after)}
     out_flat, out_spec = tree_flatten(out)
     return tree_unflatten([by_tensor.get(id(x), x) for x in out_flat], out_spec)
+
+
+def _values(args: tuple, kwargs: dict, replaced: dict) -> tuple:
+    """(args, kwargs) with each view read, or replaced by ``replaced[id(view)]``."""
+    flat, spec = tree_flatten((args, kwargs))
+    return tree_unflatten([replaced[id(x)] if id(x) in replaced else x.source.read()
+                           if isinstance(x, SourcedTensor) else x for x in flat], spec)
+
+
+def _out_of_place_twin(func: Any, args: tuple, written: list) -> Any:
+    """The out-of-place overload of an in-place ``func_`` that writes only its first
+    argument (a tensor, or a _foreach_ list), or None: running it costs one pass fewer than
+    a copy and the in-place op."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") and not name.startswith("_foreach_"):
+        return None
+    first = args[0] if args else None
+    targets = list(first) if isinstance(first, (list, tuple)) else [first]
+    if len(targets) != len(written) or any(a is not b for a, b in zip(targets, written)):
+        return None
+    return getattr(getattr(aten, name[:-1], None), func._overloadname, None)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -187,3 +187,37 @@ def test_overlap_counts_sync_mode_reports_none():
     stats = opt.last_step_stats
     assert stats.params_in_backward == stats.params_in_step == 0 and stats.held_by is None
     assert stats.overlap_share is None
+
+
+def _mixed_writes(params):
+    # In-place writes of other dtypes and kinds into (bf16) gradients, each run aside first
+    # (as its out-of-place twin, or on a copy): some change values, some do not.
+    gen = torch.Generator().manual_seed(5)
+    for p in params:
+        g = p.grad
+        g.nan_to_num_()                                           # no change
+        torch.nn.utils.clip_grad_value_([p], 1e9)                 # no change
+        g.mul_(torch.rand(g.shape, generator=gen))                # fp32 tensor into bf16
+        g.add_(torch.randn(g.shape, generator=gen) * 1e-4, alpha=0.5)
+        g.lerp_(torch.zeros_like(g), 0.25)
+        g.clamp_(-1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_overlap_writes_run_aside_equal_sync(dtype):
+    runs = []
+    for hooks in (False, True):
+        model = _model().to(dtype)
+        params = list(model.parameters())
+        opt = AdamBridge(params, lr=1e-3, small_param_threshold=0)
+        if hooks:
+            opt.attach_hooks(model)
+        for x in _data():
+            model(x.to(dtype)).float().square().mean().backward()
+            _mixed_writes(params)
+            opt.step()
+            opt.zero_grad()
+        if hooks:
+            opt.detach_hooks()
+        runs.append((model, opt))
+    _assert_same(runs[1], runs[0])

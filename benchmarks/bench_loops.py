@@ -1,0 +1,215 @@
+"""The optimizer's time on the training thread's critical path, async / sync, per training loop.
+
+For each loop (what it does to gradients between backward and step()), the same model is
+trained in sync mode (step() does the whole update) and in async mode (attach_hooks: the
+update overlaps backward where the loop lets it). The critical path is what the optimizer
+adds to the training thread: from backward's end to step()'s return (the loop's own code
+included, in both modes), plus the time spent in adambridge's gradient hooks during
+backward (StepStats.hook_s). The two modes run interleaved (sync, async, sync, async, ...)
+on a noisy machine, each reported as the median of its steady-state steps.
+
+Before timing, each loop is run a few steps in both modes and must give the same
+parameters and optimizer state bit for bit. The table also says, from StepStats, which
+share of the updated elements ran during backward (off the critical path), why a step's
+updates waited for step() (held_by), and how many updates were done twice (redone).
+
+  python benchmarks/bench_loops.py                      # 6-layer MLP, width 1024, fp32
+  python benchmarks/bench_loops.py --precision fp8 --rounds 12
+  python benchmarks/bench_step.py --loops               # the same, from bench_step
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from adambridge import AdamBridge
+
+LAYERS = 6
+# The clipping limit: far under this model's gradient norm (~1e-4), so every clip fires.
+CLIP = 1e-8
+
+
+@dataclass
+class Loop:
+    """One training loop: ``between(params)`` runs between backward and step()."""
+
+    name: str
+    between: Callable[[list], None]
+    options: dict  # extra AdamBridge arguments
+    scaler: bool = False
+
+
+def _nothing(params: list) -> None:
+    pass
+
+
+def _clip_fires(params: list) -> None:
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+
+
+def _titan_clip_fires(params: list) -> None:
+    # torchtitan's: the total norm taken by the loop, then clip_grads_with_norm_
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+    torch.nn.utils.clip_grads_with_norm_(params, CLIP, total, None)
+
+
+def _halve(params: list) -> None:
+    for p in params:
+        p.grad.mul_(0.5)
+
+
+def _clip_value_never_changes(params: list) -> None:
+    torch.nn.utils.clip_grad_value_(params, 1e9)
+
+
+LOOPS = [
+    Loop("plain", _nothing, {}),
+    Loop("clip_grad_norm_ firing", _clip_fires, {}),
+    Loop("get_total_norm + clip_grads_with_norm_ firing", _titan_clip_fires, {}),
+    Loop("AdamBridge(max_grad_norm=...) firing", _nothing, {"max_grad_norm": CLIP}),
+    Loop("p.grad.mul_(0.5)", _halve, {}),
+    Loop("clip_grad_value_(1e9), no value changed", _clip_value_never_changes, {}),
+    Loop("GradScaler, no overflow", _nothing, {}, scaler=True),
+]
+
+
+def _model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+class Run:
+    """One loop in one mode: its own model, optimizer and (for GradScaler) scaler."""
+
+    def __init__(self, loop: Loop, hooks: bool, width: int, batch: int, precision: str) -> None:
+        self.loop, self.hooks = loop, hooks
+        self.model = _model(width)
+        self.params = list(self.model.parameters())
+        self.opt = AdamBridge(self.params, lr=1e-4, weight_decay=0.01, precision=precision,
+                              small_param_threshold=0, **loop.options)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if loop.scaler else None
+        if hooks:
+            self.opt.attach_hooks(self.model)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(batch, width, generator=gen)
+
+    def step(self) -> tuple[float, Optional[object]]:
+        """One training step: (critical-path seconds, its StepStats or None in sync mode)."""
+        loss = self.model(self.x).square().mean()
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        began = time.perf_counter()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        self.loop.between(self.params)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        spent = time.perf_counter() - began
+        stats = self.opt.last_step_stats
+        self.opt.zero_grad()
+        if self.hooks:
+            spent += stats.hook_s
+        return spent, stats if self.hooks else None
+
+    def close(self) -> None:
+        if self.hooks:
+            self.opt.detach_hooks()
+
+
+def validate(loop: Loop, width: int, batch: int, precision: str, steps: int = 3) -> None:
+    """Both modes, ``steps`` steps: parameters and state must be equal bit for bit."""
+    runs = [Run(loop, hooks, width, batch, precision) for hooks in (False, True)]
+    for _ in range(steps):
+        for run in runs:
+            run.step()
+    for run in runs:
+        run.close()
+    sync, hooked = runs
+    for i, (a, b) in enumerate(zip(sync.params, hooked.params)):
+        if not torch.equal(a, b):
+            raise SystemExit(f"{loop.name}: parameter {i} differs between sync and async mode")
+        for key, value in sync.opt.state[a].items():
+            if not torch.equal(value, hooked.opt.state[b][key]):
+                raise SystemExit(f"{loop.name}: state[{key!r}] of parameter {i} differs")
+
+
+def measure(loop: Loop, width: int, batch: int, precision: str, warmup: int,
+            rounds: int) -> dict:
+    """Interleaved sync and async steps of ``loop``: medians and the async step's counts."""
+    runs = [Run(loop, hooks, width, batch, precision) for hooks in (False, True)]
+    times: list[list[float]] = [[], []]
+    counts = []
+    for i in range(warmup + rounds):
+        for k, run in enumerate(runs):
+            spent, stats = run.step()
+            if i >= warmup:
+                times[k].append(spent)
+                if stats is not None:
+                    counts.append(stats)
+    for run in runs:
+        run.close()
+    sync_s, async_s = (statistics.median(t) for t in times)
+    backward_elems = sum(s.elems_in_backward for s in counts)
+    all_elems = backward_elems + sum(s.elems_in_step for s in counts)
+    held = sorted({s.held_by for s in counts if s.held_by})
+    return {"loop": loop.name, "sync_ms": 1e3 * sync_s, "async_ms": 1e3 * async_s,
+            "ratio": async_s / sync_s,
+            "off_path": backward_elems / all_elems if all_elems else 0.0,
+            "redone": sum(s.params_redone for s in counts) / len(counts),
+            "params": len(runs[1].params), "held_by": held[0] if held else ""}
+
+
+def table(rows: list, setup: str) -> str:
+    lines = [setup, "",
+             "| loop | sync ms | async ms | async / sync | updated off the critical path "
+             "| redone per step | held by |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['loop']} | {r['sync_ms']:.2f} | {r['async_ms']:.2f} | "
+                     f"{r['ratio']:.2f} | {100 * r['off_path']:.0f}% | "
+                     f"{r['redone']:.1f} of {r['params']} | {r['held_by'][:70]} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp8"))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--loops", default="",
+                        help="comma-separated substrings: only the loops whose name has one")
+    args = parser.parse_args(argv)
+    wanted = [s for s in args.loops.split(",") if s]
+    loops = [loop for loop in LOOPS if not wanted or any(s in loop.name for s in wanted)]
+    rows = []
+    for loop in loops:
+        validate(loop, args.width, args.batch, args.precision)
+        rows.append(measure(loop, args.width, args.batch, args.precision, args.warmup,
+                            args.rounds))
+        print(f"{loop.name}: async / sync {rows[-1]['ratio']:.2f}", file=sys.stderr, flush=True)
+    setup = (f"{LAYERS}-layer MLP, width {args.width}, batch {args.batch}, {args.precision} "
+             f"moments, CPU ({torch.get_num_threads()} threads), every parameter hooked; "
+             f"median of {args.rounds} interleaved steps after {args.warmup}")
+    print(table(rows, setup))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -262,6 +262,7 @@ class FactsMixin:
         for grad in others:
             grad.mul_(coef.to(grad.device))
         if float(coef) < 1.0:  # at 1.0 torch's multiply is the identity: nothing changes
+            record.clip_fired = True
             self._transform(record, jobs, step_wide.scale_by(coef), "clipping")
 
 

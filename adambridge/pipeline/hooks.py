@@ -132,6 +132,7 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._init_grad_edits(edits_grads)
         self.verifier = verify.Verifier(verify_steps) if verify_steps else None
         self.clip_hint: Optional[float] = None  # max_norm of the last clip routed here
+        self.clip_fired_last = False  # the last step's clip scaled the gradients: hold
         self.rolls_back = False  # a backward has raised: keep what rolls its updates back
         # A hyperparameter was written after a step's first gradient: since then every step
         # keeps what redoes its updates (watches), and one right after such a write is held.
@@ -305,6 +306,12 @@ class Pipeline(FactsMixin, GradEditsMixin):
         if self.edits_changed:
             return ("grad_write", f"the loop's change of a gradient in the last step "
                                   f"({self.last_edit})")
+        if self.clip_fired_last and self._clip_watch() is not None:
+            # NOTE: a clip that fired will most likely fire again: updating before the norm
+            # is known would only do each update twice. A step where it does not fire costs
+            # the overlap once; the next one speculates again.
+            return ("clip", "clipping, which fired in the last step (the norm is known only "
+                            "after backward)")
         return None
 
     def _clip_watch(self) -> Optional[float]:
@@ -510,6 +517,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         self._remember_used(record)
         if not self._warm and self._model_ref is not None:
             cuda_policy.check_compiled_elsewhere(self._model_ref())
+        if record.jobs and not record.failed:
+            self.clip_fired_last = record.clip_fired
         self._warm = self._warm or (bool(record.jobs) and not record.failed)
         stats = self._stats(record, waited)
         self.opt.last_step_stats = stats

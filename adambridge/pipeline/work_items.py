@@ -60,9 +60,10 @@ class StepRecord:
         self.waited = UpdateCounts()   # updated while step() waited
         self.redone = UpdateCounts()   # updated during backward, then again at step()
         self.hook_s = 0.0           # the training thread's time in the gradient hooks
-        self.held_by: Optional[str] = None  # why updates wait for step() (the first cause)
+        self.held_by: Optional[tuple] = None  # why updates wait for step(): (key, words)
+        self.clip_fired = False     # a clip scaled this step's gradients
 
-    def hold(self, cause: str) -> None:
+    def hold(self, cause: tuple) -> None:
         """Hold what lands from now on until finish, for ``cause`` (StepStats.held_by)."""
         self.hold_rest = True
         if self.held_by is None:

@@ -122,8 +122,8 @@ class Run:
         spent = time.perf_counter() - began
         stats = self.opt.last_step_stats
         self.opt.zero_grad()
-        if self.hooks:
-            spent += stats.hook_s
+        if self.hooks:  # (getattr: the script also measures commits from before hook_s)
+            spent += getattr(stats, "hook_s", 0.0)
         return spent, stats if self.hooks else None
 
     def close(self) -> None:
@@ -164,13 +164,13 @@ def measure(loop: Loop, width: int, batch: int, precision: str, warmup: int,
     for run in runs:
         run.close()
     sync_s, async_s = (statistics.median(t) for t in times)
-    backward_elems = sum(s.elems_in_backward for s in counts)
-    all_elems = backward_elems + sum(s.elems_in_step for s in counts)
-    held = sorted({s.held_by for s in counts if s.held_by})
+    backward_elems = sum(getattr(s, "elems_in_backward", 0) for s in counts)
+    all_elems = backward_elems + sum(getattr(s, "elems_in_step", 0) for s in counts)
+    held = sorted({s.held_by for s in counts if getattr(s, "held_by", None)})
     return {"loop": loop.name, "sync_ms": 1e3 * sync_s, "async_ms": 1e3 * async_s,
             "ratio": async_s / sync_s,
             "off_path": backward_elems / all_elems if all_elems else 0.0,
-            "redone": sum(s.params_redone for s in counts) / len(counts),
+            "redone": sum(getattr(s, "params_redone", 0) for s in counts) / len(counts),
             "params": len(runs[1].params), "held_by": held[0] if held else ""}
 
 

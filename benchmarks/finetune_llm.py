@@ -43,7 +43,7 @@ from adambridge.lab.demo_memory import MemoryProbe
 from adambridge.lab.demo_model import bf16_changed_fraction, split_tokens
 from adambridge.lab.demo_peers import HostMasterOptimizer  # noqa: F401  (tests use it from here)
 from adambridge.lab.demo_report import step_ms_cell, why_no_result
-from adambridge.lab.demo_run import lr_lambda, step_timing
+from adambridge.lab.demo_run import lr_lambda, set_lr, step_timing
 
 GIB = 1 << 30
 PRESETS = {
@@ -186,7 +186,7 @@ def train(model, opt, mode: str, autocast, batches: torch.Tensor, args, device,
     times = []
     for step, ids in enumerate(batches):
         for group in opt.param_groups:
-            group["lr"] = args.lr * factor(step)
+            set_lr(group, args.lr * factor(step))
         ids = ids.to(device)
         monitor.sample()
         t0 = time.perf_counter()

@@ -93,6 +93,21 @@ def lr_lambda(steps: int, warmup: float):
     return factor
 
 
+def base_lrs(opt) -> list[float]:
+    """Each param group's learning rate now, as a float (a schedule's peak)."""
+    return [float(group["lr"]) for group in opt.param_groups]
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Write a scheduled learning rate into a param group in the form its optimizer holds."""
+    # NOTE: torchao's optimizers hold lr as a tensor (so a new value does not recompile their
+    # step) and refuse a float written over it; a float lr stays a float.
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
 def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
                    seed: int) -> tuple[Any, str, str]:
     """The optimizer for a configuration, its mode ("sync"/"async") and its backend."""
@@ -134,13 +149,13 @@ def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar, 
     # NOTE: the schedule is written into param_groups directly (what an LR scheduler does):
     # in async mode there is no opt.step() for torch's schedulers to count.
     factor = lr_lambda(len(starts), setup.preset.warmup)
-    base_lr = [group["lr"] for group in opt.param_groups]
+    base_lr = base_lrs(opt)
     cuda = setup.device.type == "cuda"
     losses, times = [], []
     for step, batch_starts in enumerate(starts):
         seqs = dm.gather(setup.train, batch_starts, setup.preset.ctx).to(setup.device)
         for group, lr in zip(opt.param_groups, base_lr):
-            group["lr"] = lr * factor(step)
+            set_lr(group, lr * factor(step))
         if monitor is not None:
             monitor.sample()
         t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """benchmarks/finetune_llm.py: run planning, batches, the host-master wrapper, the report, and
 one offline end-to-end run on a tiny random model (needs transformers)."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -196,3 +197,53 @@ def test_lab_finetune_phase_on_a_cpu_concludes_from_the_real_runs(tmp_path, monk
     assert all(r["start_val_loss"] is not None for r in runs)
     assert section.conclusion.startswith("by each run's reduction from its own start, against AdamW")
     assert "AdamBridge fp8 moments" in section.conclusion and "BF16-only AdamW" in section.conclusion
+
+
+class _TensorLrAdamW(torch.optim.AdamW):
+    """Holds lr as a tensor and refuses a float over it, as torchao's optimizers do."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, lr=torch.tensor(lr), foreach=False)
+        self.seen = []
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                raise RuntimeError("lr was changed to a non-Tensor object")
+        self.seen.append(float(self.param_groups[0]["lr"]))
+        return super().step(closure)
+
+
+class _FloatLrAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        assert isinstance(self.param_groups[0]["lr"], float)
+        self.seen = getattr(self, "seen", []) + [self.param_groups[0]["lr"]]
+        return super().step(closure)
+
+
+class _TinyLM(torch.nn.Module):
+    """Takes input_ids and labels and returns an object with .loss, as a causal LM does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids, labels):
+        return type("Out", (), {"loss": self.emb(input_ids).pow(2).mean()})()
+
+
+@pytest.mark.parametrize("make", [_TensorLrAdamW, _FloatLrAdamW], ids=["tensor-lr", "float-lr"])
+def test_train_schedule_drives_tensor_and_float_lr(ft, make):
+    from adambridge.lab import trust
+    args = ft.parse_args(["--steps", "5", "--lr", "0.01", "--warmup", "0.4"])
+    model = _TinyLM()
+    opt = make(model.parameters(), lr=args.lr)
+    held = opt.param_groups[0]["lr"]
+    batches = torch.randint(0, 16, (5, 2, 3))
+    ft.train(model, opt, "sync", contextlib.nullcontext, batches, args, torch.device("cpu"),
+             trust.LoadMonitor(1))
+    factor = ft.lr_lambda(5, 0.4)
+    assert opt.seen == pytest.approx([0.01 * factor(s) for s in range(5)], rel=1e-6)
+    assert type(opt.param_groups[0]["lr"]) is type(held)
+    if isinstance(held, torch.Tensor):
+        assert opt.param_groups[0]["lr"] is held  # written in place, the optimizer's own tensor

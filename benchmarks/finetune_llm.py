@@ -291,8 +291,7 @@ def section(report: dict) -> lab_report.Section:
                "ms/step", "peak GPU GiB", "RSS growth GiB †", "state B/param"]
     notes = ["vs reference: the reference's loss reduction from its own start minus this "
              "run's (positive: worse), so a run that starts from a cast is judged by its optimizer.",
-             f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
-             "differences are ties." if band is not None else "No noise runs: ties not called.",
+             lab_report.noise_note(runs, "adamw", band) + ".",
              "ms/step: median step time after the warm-up steps; (in brackets): rejected by the "
              f"trust rule (steps spread past {trust.SPREAD_LIMIT:.0%} of their median, or other "
              "work competed for the CPUs), not a speed figure.",

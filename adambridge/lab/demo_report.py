@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from .demo_peers import INSTALL
 from .trust import SPREAD_LIMIT
-from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict, verdicts_line
+from .report import NO_MATPLOTLIB, Section, loss_delta, noise_note, pyplot, verdict, verdicts_line
 
 MIB = 1 << 20
 
@@ -174,12 +174,8 @@ def _host_line(s: dict) -> str:
 
 
 def _notes(report: dict) -> list[str]:
-    band = report["noise_band"]
-    runs = report["setup"]["noise_runs"]
-    band_text = (f"noise band {band:.4f} (reference re-run with {runs} other data "
-                 f"order{'' if runs == 1 else 's'}): differences within it are ties" if band is not None
-                 else "no noise runs: differences are not classified as ties")
-    return [band_text] + LEGEND + _timing_notes(report["runs"]) + _peer_notes(report["runs"])
+    band_line = noise_note(report["runs"], "reference", report["noise_band"])
+    return [band_line] + LEGEND + _timing_notes(report["runs"]) + _peer_notes(report["runs"])
 
 
 LEGEND = [

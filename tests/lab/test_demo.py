@@ -73,10 +73,31 @@ def test_verdict_calls_ties_within_the_noise_band():
     assert lab_report.verdict(_run("x", 2.0011), ref, band=0.001) == "worse"
     assert lab_report.verdict(_run("x", 1.9980), ref, band=0.001) == "better"
     assert lab_report.verdict(_run("x", 2.0001), ref, band=None) == "worse"
-    runs = [ref, _run("x", 2.0), _run("n1", 2.0004, True), _run("n2", 1.9993, True)]
-    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)
-    runs.append(dict(config="reference", label="failed", noise_run=True, error="boom"))
-    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)  # failures ignored
+
+
+
+@pytest.mark.parametrize("desc,finals,band", [
+    # sd of (2.0, 2.0004, 1.9993) is 5.568e-4; t(0.975, 2) = 4.303; x sqrt(2)
+    ("three runs", [2.0, 2.0004, 1.9993], 0.0033882),
+    # two runs: sd = |d| / sqrt(2), so the band is t(0.975, 1) = 12.706 times their difference
+    ("two runs", [2.0, 2.0004], 0.0050824),
+    ("one run: no band", [2.0], None),
+])
+def test_noise_band_is_the_t_bound_on_two_runs_difference(desc, finals, band):
+    runs = [_run("ref", finals[0]), _run("x", 2.1)] + [_run(f"n{k}", f, True) for k, f in enumerate(finals[1:])]
+    runs.append(dict(config="reference", label="failed", noise_run=True, error="boom"))  # ignored
+    got = lab_report.noise_band(runs, "reference")
+    assert got == (None if band is None else pytest.approx(band, rel=1e-4)), desc
+    assert lab_report.band_runs(runs, "reference") == len(finals)
+    note = lab_report.noise_note(runs, "reference", got)
+    assert re.search(rf"noise band {band:.4f} from {len(finals)} runs of the reference" if band
+                     else r"no noise band .*no ties called", note), note
+
+
+@pytest.mark.parametrize("df,t", [(1, 12.706), (2, 4.303), (10, 2.228), (11, 2.201), (30, 2.042), (31, 2.040),
+                                  (100, 1.984)])
+def test_t975_matches_the_published_table(df, t):
+    assert lab_report.t975(df) == pytest.approx(t, abs=0.002)
 
 
 def test_verdict_by_reduction_judges_what_the_optimizer_did_not_where_it_began():

@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,7 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
             dict(config="bnb-adamw8bit", label="bnb", error="ImportError: no bitsandbytes"),
             dict(config="torchao-offload", label="tao", not_installed="torchao")]
     band = lab_report.noise_band(runs, "adamw")
-    assert band == pytest.approx(0.001)
+    assert band == pytest.approx(12.706 * 0.001)  # two runs: t(0.975, 1) x their difference
     setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
                  data="d", lr=2e-5, warmup=0.1)
     section = ft.section(dict(setup=setup, runs=runs, noise_band=band, start_val_loss=2.5))
@@ -101,6 +102,8 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     assert rows["tao"][1] == 'not installed (pip install "adambridge[peers]")'
     md = lab_report.md_table(section.columns, section.rows)
     assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
+    assert any(re.match(r"noise band 0\.0127 from 2 runs of the reference, .*t\(0\.975, n-1\)", n)
+               for n in section.notes), section.notes
 
 
 def test_section_judges_a_run_by_its_own_reduction_when_it_starts_elsewhere(ft):

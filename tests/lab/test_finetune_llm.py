@@ -196,7 +196,9 @@ def test_lab_finetune_phase_on_a_cpu_concludes_from_the_real_runs(tmp_path, monk
     section = bench_phases.finetune(phases.Context(tmp_path, {"finetune_steps": 3}, lambda f, m: None))
     assert section.status == "ok", section.error
     runs = section.figures["runs"]
-    assert [r["config"] for r in runs] == ["adamw", "adambridge-fp8", "bf16-only", "adamw"]
+    # two re-runs of the reference: the band rests on three runs, and says so
+    assert [r["config"] for r in runs] == ["adamw", "adambridge-fp8", "bf16-only", "adamw", "adamw"]
+    assert "from 3 runs of the reference" in section.conclusion
     assert all(r["start_val_loss"] is not None for r in runs)
     assert section.conclusion.startswith("by each run's reduction from its own start, against AdamW")
     assert "AdamBridge fp8 moments" in section.conclusion and "BF16-only AdamW" in section.conclusion

@@ -122,9 +122,16 @@ def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
         ref_gain = ref["start_val_loss"] - ref["final_val_loss"]
         if ref_gain > 0:
             gain = f"{(run['start_val_loss'] - loss) / ref_gain:.0%}"
-    return [run["label"], run["mode"], f"{loss:.4f}", delta, gain,
+    return [run["label"], mode_cell(run), f"{loss:.4f}", delta, gain,
             f"{run['bf16_changed']:.1%}", step_ms_cell(run), _time_ratio(run, ref), _mem(run),
             f"{run['state_bytes_per_param']:.2f}"]
+
+
+def mode_cell(run: dict) -> str:
+    """ "sync", or "async N/M": N of the optimizer's M tensors hooked (the rest update at step_sync())."""
+    if run["mode"] == "async" and run.get("hooked"):
+        return "async {}/{}".format(*run["hooked"])
+    return run["mode"]
 
 
 def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -179,7 +186,9 @@ def _notes(report: dict) -> list[str]:
 
 
 LEGEND = [
-    "mode: sync is step() after backward; async is attach_hooks (the update overlaps backward)",
+    "mode: sync is step() after backward; async N/M is attach_hooks with N of the M parameter "
+    "tensors hooked (their update overlaps backward; the others, under small_param_threshold "
+    "elements, update at step_sync())",
     "val loss: mean next-byte cross-entropy (nats) over the validation sequences after the last step",
     "vs reference: how much less the configuration reduced the validation loss from its start "
     "than the reference did (with one start for all, its final loss minus the reference's), "

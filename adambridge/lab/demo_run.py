@@ -35,13 +35,18 @@ class Preset:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     warmup: float = 0.1  # fraction of the steps spent warming up, then cosine decay to 0
+    small_param_threshold: int = 65536  # AdamBridge's: tensors this large get a backward hook
 
 
+# NOTE: every tensor of the tiny and small models is under AdamBridge's default
+# small_param_threshold, so their async rows would hook nothing; 1024 hooks the weight
+# matrices and embeddings and leaves the biases and norms to step_sync(), as the default
+# does on a model the size of the gpu preset.
 PRESETS = {
     "tiny": Preset(width=32, layers=1, heads=2, ctx=32, batch=4, steps=12, pretrain_steps=12,
-                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8),
+                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8, small_param_threshold=1024),
     "small": Preset(width=96, layers=2, heads=4, ctx=64, batch=16, steps=250, pretrain_steps=300,
-                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64),
+                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64, small_param_threshold=1024),
     "gpu": Preset(width=512, layers=8, heads=8, ctx=256, batch=32, steps=600,
                   pretrain_steps=1500, pretrain_lr=1e-3, lr=3e-5, eval_windows=512),
 }
@@ -120,16 +125,33 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
         opt = peer.build(list(model.parameters()), hyper, device)
         return opt, "sync", f"{peer.package} {demo_peers.version(peer.package)}"
     from ..optimizer import AdamBridge
-    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
+    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed,
+                     small_param_threshold=preset.small_param_threshold, **hyper)
     backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
+    return opt, attach(opt, model, f"adambridge demo: {config.name}"), backend
+
+
+def attach(opt: Any, model: torch.nn.Module, name: str) -> str:
+    """attach_hooks(model) where it hooks something; returns the mode that then runs: "async"
+    (some update overlaps backward) or "sync" (async mode failed here, or hooked no tensor)."""
     if not hasattr(opt, "attach_hooks"):
-        return opt, "sync", backend
+        return "sync"
     try:
         opt.attach_hooks(model)
     except Exception as exc:  # async mode unavailable here (e.g. not implemented): use step()
-        print(f"adambridge demo: {config.name}: attach_hooks failed ({exc}); using step()")
-        return opt, "sync", backend
-    return opt, "async", backend
+        print(f"{name}: attach_hooks failed ({exc}); using step()")
+        return "sync"
+    if not opt.pipeline.hooked:  # every tensor under small_param_threshold: nothing overlaps
+        opt.detach_hooks()
+        return "sync"
+    return "async"
+
+
+def hooked(opt: Any, mode: str) -> Optional[list[int]]:
+    """[tensors hooked, tensors owned] of an async run (what its mode column says), else None."""
+    if mode != "async":
+        return None
+    return [len(opt.pipeline.hooked), len(opt.pipeline.owned)]
 
 
 def build_model(setup: Setup, weights: torch.dtype) -> dm.TinyGPT:
@@ -198,6 +220,7 @@ def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     result = dict(
         config=config.name, label=config.label, data_seed=data_seed, mode=mode, backend=backend,
+        hooked=hooked(opt, mode),
         weights=str(config.weights).replace("torch.", ""),
         start_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
         val_curve=val_curve, train_curve=losses,

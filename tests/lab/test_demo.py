@@ -176,8 +176,18 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     assert len(set(starts.values())) == 1, starts
     assert f"every configuration starts at validation loss {report['start_val_loss']:.4f}" in printed
     assert "rounded to bf16" in printed and "the verdict measures the optimizer" in printed
-    modes = {r["config"]: r["mode"] for r in report["runs"]}
-    assert modes["adambridge-fp32"] in ("sync", "async") and modes["bf16-only"] == "sync"
+    # the mode column says what ran: the tensors at or over the preset's threshold, counted
+    # here from the model itself, are the ones hooked
+    p = demo.PRESETS["tiny"]
+    model = dm.TinyGPT(p.width, p.layers, p.heads, p.ctx)
+    big = sum(1 for t in model.parameters() if t.numel() >= p.small_param_threshold)
+    assert 0 < big < len(list(model.parameters()))
+    expected = f"async {big}/{len(list(model.parameters()))}"
+    cells = {row[0]: row[1] for row in report["sections"][0]["rows"]}
+    for run in report["runs"]:
+        ours = run["config"].startswith("adambridge-")
+        assert cells[run["label"]] == (expected if ours else "sync"), run["label"]
+        assert run["hooked"] == ([big, len(list(model.parameters()))] if ours else None)
     state = {r["config"]: r["state_bytes_per_param"] for r in report["runs"]}
     assert state["adambridge-fp32"] > state["adambridge-bf16"] > state["adambridge-fp8"] > 4
     for run in report["runs"]:
@@ -197,6 +207,23 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and section["plots"] == [png.name]
     else:
         assert "matplotlib is not installed" in printed
+
+
+@pytest.mark.parametrize("desc,threshold,mode,hooks", [
+    ("every tensor under the threshold: sync, no hook left attached", 65536, "sync", None),
+    ("the weight over it: async, that one hooked", 1024, "async", [1, 2]),
+])
+def test_demo_attach_mode_says_what_is_hooked(desc, threshold, mode, hooks):
+    from adambridge import AdamBridge
+    from adambridge.lab import demo_run
+    model = torch.nn.Linear(64, 32)  # a 2048-element weight and a 32-element bias
+    opt = AdamBridge(model.parameters(), lr=1e-3, small_param_threshold=threshold)
+    got = demo_run.attach(opt, model, "test")
+    assert (got, demo_run.hooked(opt, got)) == (mode, hooks), desc
+    assert (opt.pipeline is None) == (mode == "sync"), desc
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step_sync() if got == "async" else opt.step()  # the mode's own step runs
+    demo_run._release(opt)
 
 
 @pytest.mark.parametrize("device, message", [

@@ -42,8 +42,8 @@ from adambridge.lab.demo_fresh import one_line
 from adambridge.lab.demo_memory import MemoryProbe
 from adambridge.lab.demo_model import bf16_changed_fraction, split_tokens
 from adambridge.lab.demo_peers import HostMasterOptimizer  # noqa: F401  (tests use it from here)
-from adambridge.lab.demo_report import step_ms_cell, why_no_result
-from adambridge.lab.demo_run import lr_lambda, step_timing
+from adambridge.lab.demo_report import mode_cell, step_ms_cell, why_no_result
+from adambridge.lab.demo_run import attach, hooked, lr_lambda, set_lr, step_timing
 
 GIB = 1 << 30
 PRESETS = {
@@ -164,13 +164,7 @@ def build(config: Config, model, args, device) -> tuple[Any, str, Callable]:
     """The configuration's optimizer, its mode, and the autocast context for its forward pass."""
     hyper = dict(lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     opt = config.make(list(model.parameters()), hyper, device)
-    mode = "sync"
-    if hasattr(opt, "attach_hooks"):
-        try:
-            opt.attach_hooks(model)
-            mode = "async"
-        except Exception as exc:  # async mode unavailable here: use step()
-            print(f"{config.name}: attach_hooks failed ({exc}); using step()", file=sys.stderr)
+    mode = attach(opt, model, config.name)  # "sync" where no tensor would be hooked
     # NOTE: fp32 weights compute in bf16 autocast on a GPU (the usual mixed precision);
     # bf16 weights compute in bf16 as they are.
     use_autocast = device.type == "cuda" and config.weights == torch.float32
@@ -186,7 +180,7 @@ def train(model, opt, mode: str, autocast, batches: torch.Tensor, args, device,
     times = []
     for step, ids in enumerate(batches):
         for group in opt.param_groups:
-            group["lr"] = args.lr * factor(step)
+            set_lr(group, args.lr * factor(step))
         ids = ids.to(device)
         monitor.sample()
         t0 = time.perf_counter()
@@ -233,6 +227,7 @@ def measure(config: Config, args: argparse.Namespace) -> dict:
     changed = bf16_changed_fraction({k: v.detach() for k, v in initial.items()},
                                     dict(model.named_parameters()))
     return dict(config=config.name, label=config.label, data_seed=args.data_seed, mode=mode,
+                hooked=hooked(opt, mode),
                 weights=str(config.weights).replace("torch.", ""), start_val_loss=start_loss,
                 final_val_loss=final_loss, bf16_changed=changed, parameters=numel,
                 **step_timing(times, monitor),
@@ -291,8 +286,7 @@ def section(report: dict) -> lab_report.Section:
                "ms/step", "peak GPU GiB", "RSS growth GiB †", "state B/param"]
     notes = ["vs reference: the reference's loss reduction from its own start minus this "
              "run's (positive: worse), so a run that starts from a cast is judged by its optimizer.",
-             f"Noise band: {band:.4f} (reference re-run with other data orders); smaller "
-             "differences are ties." if band is not None else "No noise runs: ties not called.",
+             lab_report.noise_note(runs, "adamw", band) + ".",
              "ms/step: median step time after the warm-up steps; (in brackets): rejected by the "
              f"trust rule (steps spread past {trust.SPREAD_LIMIT:.0%} of their median, or other "
              "work competed for the CPUs), not a speed figure.",
@@ -317,7 +311,7 @@ def _row(r: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
                  f"({lab_report.verdict(r, ref, band, by_reduction=True)})")
     gpu = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / GIB:.2f}"
     rss = r["rss_growth_bytes"] - (ref["rss_growth_bytes"] if ref else 0)
-    return [r["label"], r["weights"], r["mode"], f"{r['final_val_loss']:.4f}", delta,
+    return [r["label"], r["weights"], mode_cell(r), f"{r['final_val_loss']:.4f}", delta,
             f"{r['bf16_changed']:.1%}", step_ms_cell(r), gpu, f"{rss / GIB:+.2f}",
             f"{r['state_bytes_per_param']:.2f}"]
 

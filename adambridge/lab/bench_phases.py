@@ -190,7 +190,7 @@ def finetune(ctx: Context) -> Section:
             argv = ["--preset", "quick", "--device", "cuda"] + steps
         else:
             argv = ["--model-config", "tiny", "--text-file", _offline_text(Path(tmp)), "--device",
-                    "cpu", "--batch", "2", "--seq-len", "64", "--noise-runs", "1"] + (steps or ["--steps", "20"])
+                    "cpu", "--batch", "2", "--seq-len", "64", "--noise-runs", "2"] + (steps or ["--steps", "20"])
             env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         rc = stream([sys.executable, str(script), *argv, "--out", str(out)],
                     lambda line: ctx.step(0.5, line) if line.startswith("[") else None, env=env)

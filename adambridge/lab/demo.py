@@ -201,6 +201,7 @@ def describe(setup: Setup, args: argparse.Namespace, source: str) -> dict:
         steps=setup.steps, batch=p.batch, ctx=p.ctx, lr=p.lr, pretrain_steps=p.pretrain_steps,
         pretrain_lr=p.pretrain_lr, weight_decay=p.weight_decay, betas=list(p.betas),
         warmup=p.warmup, schedule="linear warm-up, cosine decay to 0", seed=setup.seed,
+        small_param_threshold=p.small_param_threshold,
         lr_below_half_bf16_ulp=setup.below_half_ulp, start_weights=_start_weights(setup.start_dtype),
         noise_runs=args.noise_runs, torch=torch.__version__, threads=torch.get_num_threads(),
         host=f"{lab_report.cpu_name()}, {os.cpu_count()} CPUs", date=f"{datetime.date.today()}",

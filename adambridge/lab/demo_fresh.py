@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,14 +66,17 @@ def run_fresh(setup_file: Path, config: Config, data_seed: int, steps: int, bar:
     cmd = [sys.executable, "-m", "adambridge.lab.demo_fresh", str(setup_file), config.name,
            str(data_seed), str(result)]
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
+        # NOTE: the child leads a process group of its own, so that an interrupted run (Ctrl-C
+        # reaches this process alone) ends it with everything it started (a peer's compile
+        # workers, a JIT build), not the child alone.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
+                                start_new_session=_POSIX)
         try:
             done = sum(_progress(line, bar) for line in proc.stdout)
             status = proc.wait()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        except BaseException:
+            end_group(proc)
+            raise
         err.seek(0)
         said = [line.strip() for line in err.read().splitlines() if line.strip()]
     if result.exists():
@@ -80,6 +84,27 @@ def run_fresh(setup_file: Path, config: Config, data_seed: int, steps: int, bar:
     bar.update(max(0, steps - done))  # the steps it never ran, so the bar still ends full
     return dict(config=config.name, label=config.label, data_seed=data_seed,
                 error=f"the process ended with status {status}" + (f": {said[-1][:200]}" if said else ""))
+
+
+_POSIX = hasattr(os, "killpg")
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill a child started with start_new_session and every process of its group, and reap
+    it; a second Ctrl-C meanwhile does not stop this."""
+    while True:
+        try:
+            if _POSIX:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # the group has ended already
+                    pass
+            else:
+                proc.kill()
+            proc.wait()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _progress(line: str, bar: Any) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from .demo_peers import INSTALL
 from .trust import SPREAD_LIMIT
-from .report import NO_MATPLOTLIB, Section, loss_delta, pyplot, verdict, verdicts_line
+from .report import NO_MATPLOTLIB, Section, loss_delta, noise_note, pyplot, verdict, verdicts_line
 
 MIB = 1 << 20
 
@@ -122,9 +122,16 @@ def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
         ref_gain = ref["start_val_loss"] - ref["final_val_loss"]
         if ref_gain > 0:
             gain = f"{(run['start_val_loss'] - loss) / ref_gain:.0%}"
-    return [run["label"], run["mode"], f"{loss:.4f}", delta, gain,
+    return [run["label"], mode_cell(run), f"{loss:.4f}", delta, gain,
             f"{run['bf16_changed']:.1%}", step_ms_cell(run), _time_ratio(run, ref), _mem(run),
             f"{run['state_bytes_per_param']:.2f}"]
+
+
+def mode_cell(run: dict) -> str:
+    """ "sync", or "async N/M": N of the optimizer's M tensors hooked (the rest update at step_sync())."""
+    if run["mode"] == "async" and run.get("hooked"):
+        return "async {}/{}".format(*run["hooked"])
+    return run["mode"]
 
 
 def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -174,16 +181,14 @@ def _host_line(s: dict) -> str:
 
 
 def _notes(report: dict) -> list[str]:
-    band = report["noise_band"]
-    runs = report["setup"]["noise_runs"]
-    band_text = (f"noise band {band:.4f} (reference re-run with {runs} other data "
-                 f"order{'' if runs == 1 else 's'}): differences within it are ties" if band is not None
-                 else "no noise runs: differences are not classified as ties")
-    return [band_text] + LEGEND + _timing_notes(report["runs"]) + _peer_notes(report["runs"])
+    band_line = noise_note(report["runs"], "reference", report["noise_band"])
+    return [band_line] + LEGEND + _timing_notes(report["runs"]) + _peer_notes(report["runs"])
 
 
 LEGEND = [
-    "mode: sync is step() after backward; async is attach_hooks (the update overlaps backward)",
+    "mode: sync is step() after backward; async N/M is attach_hooks with N of the M parameter "
+    "tensors hooked (their update overlaps backward; the others, under small_param_threshold "
+    "elements, update at step_sync())",
     "val loss: mean next-byte cross-entropy (nats) over the validation sequences after the last step",
     "vs reference: how much less the configuration reduced the validation loss from its start "
     "than the reference did (with one start for all, its final loss minus the reference's), "

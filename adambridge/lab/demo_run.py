@@ -35,13 +35,18 @@ class Preset:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     warmup: float = 0.1  # fraction of the steps spent warming up, then cosine decay to 0
+    small_param_threshold: int = 65536  # AdamBridge's: tensors this large get a backward hook
 
 
+# NOTE: every tensor of the tiny and small models is under AdamBridge's default
+# small_param_threshold, so their async rows would hook nothing; 1024 hooks the weight
+# matrices and embeddings and leaves the biases and norms to step_sync(), as the default
+# does on a model the size of the gpu preset.
 PRESETS = {
     "tiny": Preset(width=32, layers=1, heads=2, ctx=32, batch=4, steps=12, pretrain_steps=12,
-                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8),
+                   pretrain_lr=3e-3, lr=1e-4, eval_windows=8, small_param_threshold=1024),
     "small": Preset(width=96, layers=2, heads=4, ctx=64, batch=16, steps=250, pretrain_steps=300,
-                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64),
+                    pretrain_lr=3e-3, lr=4e-5, eval_windows=64, small_param_threshold=1024),
     "gpu": Preset(width=512, layers=8, heads=8, ctx=256, batch=32, steps=600,
                   pretrain_steps=1500, pretrain_lr=1e-3, lr=3e-5, eval_windows=512),
 }
@@ -93,6 +98,21 @@ def lr_lambda(steps: int, warmup: float):
     return factor
 
 
+def base_lrs(opt) -> list[float]:
+    """Each param group's learning rate now, as a float (a schedule's peak)."""
+    return [float(group["lr"]) for group in opt.param_groups]
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Write a scheduled learning rate into a param group in the form its optimizer holds."""
+    # NOTE: torchao's optimizers hold lr as a tensor (so a new value does not recompile their
+    # step) and refuse a float written over it; a float lr stays a float.
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
 def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
                    seed: int) -> tuple[Any, str, str]:
     """The optimizer for a configuration, its mode ("sync"/"async") and its backend."""
@@ -105,16 +125,33 @@ def make_optimizer(config: Config, model: torch.nn.Module, preset: Preset,
         opt = peer.build(list(model.parameters()), hyper, device)
         return opt, "sync", f"{peer.package} {demo_peers.version(peer.package)}"
     from ..optimizer import AdamBridge
-    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed, **hyper)
+    opt = AdamBridge(model.parameters(), precision=config.precision, seed=seed,
+                     small_param_threshold=preset.small_param_threshold, **hyper)
     backend = opt.backend  # resolve (and build) the kernel now, outside the timed steps
+    return opt, attach(opt, model, f"adambridge demo: {config.name}"), backend
+
+
+def attach(opt: Any, model: torch.nn.Module, name: str) -> str:
+    """attach_hooks(model) where it hooks something; returns the mode that then runs: "async"
+    (some update overlaps backward) or "sync" (async mode failed here, or hooked no tensor)."""
     if not hasattr(opt, "attach_hooks"):
-        return opt, "sync", backend
+        return "sync"
     try:
         opt.attach_hooks(model)
     except Exception as exc:  # async mode unavailable here (e.g. not implemented): use step()
-        print(f"adambridge demo: {config.name}: attach_hooks failed ({exc}); using step()")
-        return opt, "sync", backend
-    return opt, "async", backend
+        print(f"{name}: attach_hooks failed ({exc}); using step()")
+        return "sync"
+    if not opt.pipeline.hooked:  # every tensor under small_param_threshold: nothing overlaps
+        opt.detach_hooks()
+        return "sync"
+    return "async"
+
+
+def hooked(opt: Any, mode: str) -> Optional[list[int]]:
+    """[tensors hooked, tensors owned] of an async run (what its mode column says), else None."""
+    if mode != "async":
+        return None
+    return [len(opt.pipeline.hooked), len(opt.pipeline.owned)]
 
 
 def build_model(setup: Setup, weights: torch.dtype) -> dm.TinyGPT:
@@ -134,13 +171,13 @@ def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar, 
     # NOTE: the schedule is written into param_groups directly (what an LR scheduler does):
     # in async mode there is no opt.step() for torch's schedulers to count.
     factor = lr_lambda(len(starts), setup.preset.warmup)
-    base_lr = [group["lr"] for group in opt.param_groups]
+    base_lr = base_lrs(opt)
     cuda = setup.device.type == "cuda"
     losses, times = [], []
     for step, batch_starts in enumerate(starts):
         seqs = dm.gather(setup.train, batch_starts, setup.preset.ctx).to(setup.device)
         for group, lr in zip(opt.param_groups, base_lr):
-            group["lr"] = lr * factor(step)
+            set_lr(group, lr * factor(step))
         if monitor is not None:
             monitor.sample()
         t0 = time.perf_counter()
@@ -183,6 +220,7 @@ def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     result = dict(
         config=config.name, label=config.label, data_seed=data_seed, mode=mode, backend=backend,
+        hooked=hooked(opt, mode),
         weights=str(config.weights).replace("torch.", ""),
         start_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
         val_curve=val_curve, train_curve=losses,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -46,18 +48,59 @@ class Section:
 
 # ---------------------------------------------------------------------------- verdicts
 
+# Student's t, 97.5th percentile (two-sided 95%), for 1 to 30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+BAND_RULE = ("95% bound on the difference of two runs under data order alone: "
+             "t(0.975, n-1) x sqrt(2) x the standard deviation of the reference's n final losses")
+
+
+def t975(df: int) -> float:
+    """Student's t 97.5th percentile: the table to 30 degrees of freedom, then Cornish-Fisher."""
+    if df < 1:
+        raise ValueError(f"Invalid degrees of freedom: {df} (at least 1)")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def band_runs(runs: Sequence[Mapping], reference: str) -> int:
+    """How many finished runs of the reference (its own and its noise runs) the band rests on."""
+    return sum(1 for r in runs if r.get("config") == reference and r.get("final_val_loss") is not None)
+
+
 def noise_band(runs: Sequence[Mapping], reference: str) -> Optional[float]:
-    """Largest move of the reference's final loss under other data orders (None without any).
+    """The tie band (BAND_RULE) from the reference's final losses under different data orders;
+    None with fewer than two of them.
 
     `reference` names the reference configuration; runs that failed or were not installed
     (no final_val_loss) are ignored.
     """
-    measured = [r for r in runs if r.get("config") == reference and "final_val_loss" in r]
-    ref = next((r for r in measured if not r.get("noise_run")), None)
-    others = [r["final_val_loss"] for r in measured if r.get("noise_run")]
-    if ref is None or not others:
+    # NOTE: a configuration's run and the reference's are two draws, so their difference has
+    # sqrt(2) times one run's spread; with few runs that spread is itself uncertain, which
+    # Student's t carries (with 3 runs the band is about 6 standard deviations wide).
+    measured = [r for r in runs if r.get("config") == reference and r.get("final_val_loss") is not None]
+    if len(measured) < 2 or all(r.get("noise_run") for r in measured):
         return None
-    return max(abs(x - ref["final_val_loss"]) for x in others)
+    spread = statistics.stdev(r["final_val_loss"] for r in measured)
+    return t975(len(measured) - 1) * math.sqrt(2) * spread
+
+
+def band_text(band: Optional[float], runs: int) -> str:
+    """The band as every report prints it: its width and how many runs it rests on."""
+    if band is None:
+        return "no noise band (the reference needs a re-run with another data order): no ties called"
+    return f"noise band {band:.4f} from {runs} runs of the reference"
+
+
+def noise_note(runs: Sequence[Mapping], reference: str, band: Optional[float]) -> str:
+    """The report's note on the band: its width, its runs and the rule that made it."""
+    if band is None:
+        return band_text(band, 0)
+    return (f"{band_text(band, band_runs(runs, reference))}, each with its own data order "
+            f"({BAND_RULE}): differences within it are ties")
 
 
 def loss_delta(run: Mapping, ref: Mapping, *, by_reduction: bool = False) -> float:
@@ -95,7 +138,7 @@ def verdicts_line(runs: Sequence[Mapping], reference: str, band: Optional[float]
     if ref is None:
         return "no reference run finished: nothing to compare"
     parts = [_verdict_part(r, ref, band) for r in measured if r is not ref and not r.get("noise_run")]
-    where = f"noise band {band:.4f}" if band is not None else "no noise band: no ties called"
+    where = band_text(band, band_runs(runs, reference))
     return f"against {ref['label']}: {', '.join(parts) or 'no other run'}; {where}"
 
 

@@ -107,7 +107,7 @@ def estimate(model, *, small_param_threshold: Number = SMALL_PARAM_THRESHOLD, **
     sizes, and nothing is allocated. Weights and gradients are counted at 2 B (the bf16
     mixed precision the plan is for), whatever the module's dtype now (its source says it).
     The other keywords are ``plan()``'s: tokens_per_step, accumulation, gpus, parallel,
-    activations_gb, activation_checkpointing, gpu, gpu_memory, gpu_tflops, link_gbps,
+    activations_gb, activation_checkpointing, gpu, gpu_name, gpu_memory, gpu_tflops, link_gbps,
     hbm_gbps, host_bw, host_ram, numa_nodes, host_reserve, host_update_ns, nvme_gbps,
     drive_tb, dwpd."""
     threshold = int(_number("small_param_threshold", small_param_threshold, above=False, whole=True))
@@ -128,7 +128,7 @@ def estimate(model, *, small_param_threshold: Number = SMALL_PARAM_THRESHOLD, **
 def _plan_for(facts: ModelFacts, *, tokens_per_step: Number = 4096, accumulation: Number = 1,
               gpus: Number = 1, parallel: str = "ddp", activations_gb: Optional[Number] = None,
               activation_checkpointing: bool = False, gpu: Optional[str] = None,
-              gpu_memory: Optional[Number] = None, gpu_tflops: Optional[Number] = None,
+              gpu_name: Optional[str] = None, gpu_memory: Optional[Number] = None, gpu_tflops: Optional[Number] = None,
               link_gbps: Optional[Number] = None, hbm_gbps: Optional[Number] = None,
               host_bw: Optional[Number] = None, host_ram: Optional[Number] = None,
               numa_nodes: Optional[Number] = None, host_reserve: Number = 0.10,
@@ -139,7 +139,7 @@ def _plan_for(facts: ModelFacts, *, tokens_per_step: Number = 4096, accumulation
     gpu_spec = resolve_gpu(gpu, memory_gb=_optional("gpu_memory", gpu_memory),
                            tflops=_optional("gpu_tflops", gpu_tflops),
                            link_gbps=_optional("link_gbps", link_gbps),
-                           hbm_gbps=_optional("hbm_gbps", hbm_gbps))
+                           hbm_gbps=_optional("hbm_gbps", hbm_gbps), label=_name(gpu_name))
     nvme = Nvme(_number("nvme_gbps", nvme_gbps), _number("drive_tb", drive_tb), _number("dwpd", dwpd))
     reserve = _number("host_reserve", host_reserve, above=False, below=1.0)
     nodes = _optional("numa_nodes", numa_nodes, minimum=1, above=False, whole=True)
@@ -147,6 +147,15 @@ def _plan_for(facts: ModelFacts, *, tokens_per_step: Number = 4096, accumulation
                         numa_nodes=None if nodes is None else int(nodes),
                         update_ns=_update_ns(host_update_ns))
     return assemble(Inputs(facts, work, gpu_spec, host, nvme, reserve))
+
+
+def _name(gpu_name: Optional[str]) -> Optional[str]:
+    """The card's name as the output prints it, or None."""
+    if gpu_name is None:
+        return None
+    if not isinstance(gpu_name, str) or not gpu_name.strip():
+        raise invalid("gpu_name", gpu_name, "expected the card's name, e.g. 'RTX 3060 12GB'")
+    return gpu_name.strip()
 
 
 def _update_ns(value: Union[None, str, Mapping[str, Number]]) -> Optional[tuple]:

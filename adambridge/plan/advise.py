@@ -142,9 +142,24 @@ def _trainable_reason(inp: Inputs, base: Row, numbers: dict) -> str:
     if base.fits:
         return head + ": it fits"
     if limit < 1:
-        return head + "; the bf16 weights alone do not leave room for any trainable parameter"
+        return head + "; " + _no_room(inp)
     return head + f"; it would fit with at most {count(limit)} trainable ({limit / m.total:.1%}): " \
                   f"if LoRA or a fraction does the job, train fewer parameters first"
+
+
+def _no_room(inp: Inputs) -> str:
+    """What leaves no room for a trainable parameter: the activations, or the weights."""
+    usable, weights = inp.gpu_usable, inp.model.total * ar.BF16_BYTES
+    acts = inp.activation_bytes
+    if acts >= usable:
+        return (f"the activations alone ({acts / ar.GB:,.1f} GB at {inp.work.tokens_per_pass:,.0f} "
+                f"tokens per backward) fill the {usable / ar.GB:,.1f} GB usable: fewer tokens per "
+                "backward or activation checkpointing first")
+    if weights < usable:
+        return (f"the activations ({acts / ar.GB:,.1f} GB at {inp.work.tokens_per_pass:,.0f} tokens "
+                f"per backward) with the bf16 weights ({weights / ar.GB:,.2f} GB) leave no room for "
+                "any trainable parameter: fewer tokens per backward or activation checkpointing first")
+    return "the bf16 weights alone do not leave room for any trainable parameter"
 
 
 def _gpus_reason(inp: Inputs, need: Optional[int], pool: Mapping[str, Row]) -> str:

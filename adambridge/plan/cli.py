@@ -14,6 +14,7 @@ EXAMPLES = """examples:
   python -m adambridge plan --model path/to/config.json --lora-rank 16 --lora-targets q_proj,v_proj
   python -m adambridge plan --params 70e9 --gpus 8 --gpu H200 --json
   python -m adambridge plan --params 1e9 --gpu RTX4090 --check     # measure the host update too
+  python -m adambridge plan --params 1e9 --gpu-memory 12 --gpu-name "RTX 3060"   # a card not in the table
 """
 
 
@@ -44,9 +45,12 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--activation-checkpointing", action="store_true",
                        help="count the activations (and the recomputed forward) of activation "
                        "checkpointing, one region per decoder layer")
-    group = parser.add_argument_group("GPU (default: the CUDA card found)")
+    group = parser.add_argument_group("GPU (default: the CUDA card found; any other card: "
+                                      "--gpu-memory, with --gpu-name)")
     group.add_argument("--gpu", help="a name from the table: " + ", ".join(_known()))
-    group.add_argument("--gpu-memory", help="GPU memory in GB")
+    group.add_argument("--gpu-memory", help="GPU memory in GB (without --gpu or a CUDA card: a card "
+                       "of that memory, the other figures defaults the output names)")
+    group.add_argument("--gpu-name", help="the card's name as the output prints it")
     group.add_argument("--gpu-tflops", help="achieved bf16 TFLOP/s")
     group.add_argument("--link-gbps", help="host link GB/s (gigabytes per second, both directions on one budget)")
     group.add_argument("--hbm-gbps", help="GPU memory GB/s a fused AdamW reaches")
@@ -80,7 +84,7 @@ def _known() -> list:
 
 PLAN_ARGS = ("params", "model", "trainable", "lora_rank", "lora_targets", "small_param_threshold",
              "tokens_per_step", "accumulation", "gpus", "parallel", "activations_gb",
-             "activation_checkpointing", "gpu", "gpu_memory",
+             "activation_checkpointing", "gpu", "gpu_name", "gpu_memory",
              "gpu_tflops", "link_gbps", "hbm_gbps", "host_bw", "host_ram", "numa_nodes",
              "host_reserve", "host_update_ns", "nvme_gbps", "drive_tb", "dwpd")
 

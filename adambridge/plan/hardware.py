@@ -122,32 +122,54 @@ def cuda_device() -> Optional[tuple[str, float]]:
 
 def resolve_gpu(name: Optional[str] = None, *, memory_gb: Optional[float] = None,
                 tflops: Optional[float] = None, link_gbps: Optional[float] = None,
-                hbm_gbps: Optional[float] = None) -> GpuSpec:
-    """The GPU: ``name`` from the table, else the CUDA card found; then the overrides."""
+                hbm_gbps: Optional[float] = None, label: Optional[str] = None) -> GpuSpec:
+    """The GPU: ``name`` from the table, else the CUDA card found, else (``memory_gb`` given)
+    a card of that memory with GENERIC's figures; then the overrides, and ``label`` as its name."""
     overrides = dict(memory_gb=memory_gb, tflops=tflops, link_gbps=link_gbps, hbm_gbps=hbm_gbps)
     if name is not None:
         found = table_gpu(name)
         if found is None:
-            raise PlanError(f"Unknown gpu (--gpu): {name!r} (known: {known_gpus()}; or give "
-                            "--gpu-memory, --gpu-tflops, --link-gbps and --hbm-gbps on a CUDA machine)")
+            raise PlanError(f"Unknown gpu (--gpu): {name!r} (known: {known_gpus()}; for another "
+                            "card give --gpu-memory GB and --gpu-name instead of --gpu)")
         spec = _from_table(found, f"table ({found.key})")
+    elif memory_gb is not None and cuda_device() is None:
+        spec = _generic(overrides)
     else:
         spec = _detected(overrides)
     given = {k: v for k, v in overrides.items() if v is not None}
     if given:
         spec = replace(spec, **given, source=spec.source + "; given: " + ", ".join(
             f"--{_FLAGS[k]} {v:g}" for k, v in given.items()))
+    if label is not None:
+        spec = replace(spec, name=label, source=spec.source + "; named by --gpu-name")
     return spec
 
 
 _FLAGS = dict(memory_gb="gpu-memory", tflops="gpu-tflops", link_gbps="link-gbps", hbm_gbps="hbm-gbps")
+# NOTE: a card given only by its memory is planned as a mid-range one: the achieved bf16
+# throughput measured on the RTX 5090 Laptop row, 600 GB/s of memory and a PCIe Gen4 x16 slot.
+# The output names each figure taken from here, so the user can replace it with theirs.
+GENERIC = TableGpu("a GPU given by its memory", "", 0, None, 50, 600, 4)
+
+
+def _generic(overrides: dict) -> GpuSpec:
+    spec = _from_table(GENERIC, "", memory_gb=overrides["memory_gb"])
+    spec = replace(spec, name=f"a {overrides['memory_gb']:g} GB GPU")
+    defaults = dict(tflops=f"{spec.tflops:g} TFLOP/s", hbm_gbps=f"memory {spec.hbm_gbps:g} GB/s",
+                    link_gbps=f"link {spec.link_gbps:g} GB/s (PCIe Gen4 x16)")
+    taken = [(k, text) for k, text in defaults.items() if overrides[k] is None]
+    source = "not in the table"
+    if taken:
+        source += ("; defaults, not this card's: " + ", ".join(text for _, text in taken) +
+                   " (give " + ", ".join(f"--{_FLAGS[k]}" for k, _ in taken) + " for yours)")
+    return replace(spec, source=source, pcie_gen=4 if overrides["link_gbps"] is None else None)
 
 
 def _detected(overrides: dict) -> GpuSpec:
     device = cuda_device()
     if device is None:
         raise PlanError(f"Invalid gpu (--gpu): none given and torch sees no CUDA device here; "
-                        f"choose one of {known_gpus()}")
+                        f"choose one of {known_gpus()}, or give --gpu-memory GB for another card")
     device_name, device_gb = device
     found = table_gpu(device_name)
     if found is not None:

@@ -19,6 +19,10 @@ LEGEND = (
     "their ratio to all-GPU AdamW's; hides at: tokens per backward that would hide it",
     "NVMe s, DWPD, life mo: drive seconds per step, drive writes per day, months until the "
     "drive's rated writes are used up",
+    "GB here are 1e9 bytes, with no buffer factor; DeepSpeed's estimate_zero2/3_model_states_"
+    "mem_needs prints GiB (2^30 bytes) as \"GB\", multiplies its CPU figure by "
+    "additional_buffer_factor=1.5 and counts no activations: its GPU figure x 1.074, or its CPU "
+    "figure x 1.074 / 1.5, is in these units",
 )
 
 

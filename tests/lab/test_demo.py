@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,31 @@ def test_verdict_calls_ties_within_the_noise_band():
     assert lab_report.verdict(_run("x", 2.0011), ref, band=0.001) == "worse"
     assert lab_report.verdict(_run("x", 1.9980), ref, band=0.001) == "better"
     assert lab_report.verdict(_run("x", 2.0001), ref, band=None) == "worse"
-    runs = [ref, _run("x", 2.0), _run("n1", 2.0004, True), _run("n2", 1.9993, True)]
-    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)
-    runs.append(dict(config="reference", label="failed", noise_run=True, error="boom"))
-    assert lab_report.noise_band(runs, "reference") == pytest.approx(0.0007)  # failures ignored
+
+
+
+@pytest.mark.parametrize("desc,finals,band", [
+    # sd of (2.0, 2.0004, 1.9993) is 5.568e-4; t(0.975, 2) = 4.303; x sqrt(2)
+    ("three runs", [2.0, 2.0004, 1.9993], 0.0033882),
+    # two runs: sd = |d| / sqrt(2), so the band is t(0.975, 1) = 12.706 times their difference
+    ("two runs", [2.0, 2.0004], 0.0050824),
+    ("one run: no band", [2.0], None),
+])
+def test_noise_band_is_the_t_bound_on_two_runs_difference(desc, finals, band):
+    runs = [_run("ref", finals[0]), _run("x", 2.1)] + [_run(f"n{k}", f, True) for k, f in enumerate(finals[1:])]
+    runs.append(dict(config="reference", label="failed", noise_run=True, error="boom"))  # ignored
+    got = lab_report.noise_band(runs, "reference")
+    assert got == (None if band is None else pytest.approx(band, rel=1e-4)), desc
+    assert lab_report.band_runs(runs, "reference") == len(finals)
+    note = lab_report.noise_note(runs, "reference", got)
+    assert re.search(rf"noise band {band:.4f} from {len(finals)} runs of the reference" if band
+                     else r"no noise band .*no ties called", note), note
+
+
+@pytest.mark.parametrize("df,t", [(1, 12.706), (2, 4.303), (10, 2.228), (11, 2.201), (30, 2.042), (31, 2.040),
+                                  (100, 1.984)])
+def test_t975_matches_the_published_table(df, t):
+    assert lab_report.t975(df) == pytest.approx(t, abs=0.002)
 
 
 def test_verdict_by_reduction_judges_what_the_optimizer_did_not_where_it_began():
@@ -155,8 +177,18 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     assert len(set(starts.values())) == 1, starts
     assert f"every configuration starts at validation loss {report['start_val_loss']:.4f}" in printed
     assert "rounded to bf16" in printed and "the verdict measures the optimizer" in printed
-    modes = {r["config"]: r["mode"] for r in report["runs"]}
-    assert modes["adambridge-fp32"] in ("sync", "async") and modes["bf16-only"] == "sync"
+    # the mode column says what ran: the tensors at or over the preset's threshold, counted
+    # here from the model itself, are the ones hooked
+    p = demo.PRESETS["tiny"]
+    model = dm.TinyGPT(p.width, p.layers, p.heads, p.ctx)
+    big = sum(1 for t in model.parameters() if t.numel() >= p.small_param_threshold)
+    assert 0 < big < len(list(model.parameters()))
+    expected = f"async {big}/{len(list(model.parameters()))}"
+    cells = {row[0]: row[1] for row in report["sections"][0]["rows"]}
+    for run in report["runs"]:
+        ours = run["config"].startswith("adambridge-")
+        assert cells[run["label"]] == (expected if ours else "sync"), run["label"]
+        assert run["hooked"] == ([big, len(list(model.parameters()))] if ours else None)
     state = {r["config"]: r["state_bytes_per_param"] for r in report["runs"]}
     assert state["adambridge-fp32"] > state["adambridge-bf16"] > state["adambridge-fp8"] > 4
     for run in report["runs"]:
@@ -178,6 +210,23 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
         assert "matplotlib is not installed" in printed
 
 
+@pytest.mark.parametrize("desc,threshold,mode,hooks", [
+    ("every tensor under the threshold: sync, no hook left attached", 65536, "sync", None),
+    ("the weight over it: async, that one hooked", 1024, "async", [1, 2]),
+])
+def test_demo_attach_mode_says_what_is_hooked(desc, threshold, mode, hooks):
+    from adambridge import AdamBridge
+    from adambridge.lab import demo_run
+    model = torch.nn.Linear(64, 32)  # a 2048-element weight and a 32-element bias
+    opt = AdamBridge(model.parameters(), lr=1e-3, small_param_threshold=threshold)
+    got = demo_run.attach(opt, model, "test")
+    assert (got, demo_run.hooked(opt, got)) == (mode, hooks), desc
+    assert (opt.pipeline is None) == (mode == "sync"), desc
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step_sync() if got == "async" else opt.step()  # the mode's own step runs
+    demo_run._release(opt)
+
+
 @pytest.mark.parametrize("device, message", [
     ("cuda", r"^adambridge demo: Invalid --device 'cuda': this torch (is a CPU-only build|\(CUDA .*\) sees no GPU); "
              r"use --device cpu"),
@@ -195,13 +244,59 @@ def test_demo_device_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, caps
     assert not out.exists()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status waits to be read
+
+
+class _CtrlC:
+    """A progress bar that is interrupted at the child's first step."""
+
+    def update(self, n: int = 1) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg") or not Path("/proc/self/stat").exists(),
+                    reason="process groups and /proc are POSIX/Linux")
+def test_demo_fresh_interrupted_ends_the_child_and_what_it_started(tmp_path, monkeypatch):
+    from adambridge.lab import demo_fresh
+    pidfile = tmp_path / "worker.pid"
+    child = tmp_path / "child.sh"  # stands in for python -m adambridge.lab.demo_fresh
+    child.write_text("#!/bin/sh\n"
+                     "trap '' INT\n"                   # a worker deaf to Ctrl-C, as compile workers are
+                     f"sleep 300 & echo $! > {pidfile}\n"
+                     f"echo {demo_fresh.STEP_LINE}\n"
+                     "wait\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    with pytest.raises(KeyboardInterrupt):
+        demo_fresh.run_fresh(tmp_path / "setup.pt", demo.CONFIGS["reference"], 0, 1, _CtrlC())
+    worker = int(pidfile.read_text())
+    for _ in range(100):
+        if not _alive(worker):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"the child's worker {worker} outlived the interrupted run")
+
+
 def test_demo_interrupted_leaves_no_empty_report_folder(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
+    # NOTE: a shell runs a background job with SIGINT ignored, and a child inherits that;
+    # the demo gets Python's Ctrl-C handling only if SIGINT reaches it at its default.
     proc = subprocess.Popen([sys.executable, "-m", "adambridge", "demo", "--preset", "tiny", "--device", "cpu",
                              "--steps", "400", "--out", str(out)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     try:
         seen = ""
         while "pretraining" not in seen:  # the experiment has begun; the folder exists by now

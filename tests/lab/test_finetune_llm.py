@@ -1,8 +1,10 @@
 """benchmarks/finetune_llm.py: run planning, batches, the host-master wrapper, the report, and
 one offline end-to-end run on a tiny random model (needs transformers)."""
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +89,7 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
             dict(config="bnb-adamw8bit", label="bnb", error="ImportError: no bitsandbytes"),
             dict(config="torchao-offload", label="tao", not_installed="torchao")]
     band = lab_report.noise_band(runs, "adamw")
-    assert band == pytest.approx(0.001)
+    assert band == pytest.approx(12.706 * 0.001)  # two runs: t(0.975, 1) x their difference
     setup = dict(model="m", device="cpu", torch="t", adambridge="a", steps=1, batch=1, seq_len=8,
                  data="d", lr=2e-5, warmup=0.1)
     section = ft.section(dict(setup=setup, runs=runs, noise_band=band, start_val_loss=2.5))
@@ -100,6 +102,8 @@ def test_section_reports_ties_failures_and_rss_beyond_reference(ft):
     assert rows["tao"][1] == 'not installed (pip install "adambridge[peers]")'
     md = lab_report.md_table(section.columns, section.rows)
     assert "| ab | bfloat16 | sync | 2.0005 | +0.0005 (tie) |" in md
+    assert any(re.match(r"noise band 0\.0127 from 2 runs of the reference, .*t\(0\.975, n-1\)", n)
+               for n in section.notes), section.notes
 
 
 def test_section_judges_a_run_by_its_own_reduction_when_it_starts_elsewhere(ft):
@@ -192,7 +196,59 @@ def test_lab_finetune_phase_on_a_cpu_concludes_from_the_real_runs(tmp_path, monk
     section = bench_phases.finetune(phases.Context(tmp_path, {"finetune_steps": 3}, lambda f, m: None))
     assert section.status == "ok", section.error
     runs = section.figures["runs"]
-    assert [r["config"] for r in runs] == ["adamw", "adambridge-fp8", "bf16-only", "adamw"]
+    # two re-runs of the reference: the band rests on three runs, and says so
+    assert [r["config"] for r in runs] == ["adamw", "adambridge-fp8", "bf16-only", "adamw", "adamw"]
+    assert "from 3 runs of the reference" in section.conclusion
     assert all(r["start_val_loss"] is not None for r in runs)
     assert section.conclusion.startswith("by each run's reduction from its own start, against AdamW")
     assert "AdamBridge fp8 moments" in section.conclusion and "BF16-only AdamW" in section.conclusion
+
+
+class _TensorLrAdamW(torch.optim.AdamW):
+    """Holds lr as a tensor and refuses a float over it, as torchao's optimizers do."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, lr=torch.tensor(lr), foreach=False)
+        self.seen = []
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                raise RuntimeError("lr was changed to a non-Tensor object")
+        self.seen.append(float(self.param_groups[0]["lr"]))
+        return super().step(closure)
+
+
+class _FloatLrAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        assert isinstance(self.param_groups[0]["lr"], float)
+        self.seen = getattr(self, "seen", []) + [self.param_groups[0]["lr"]]
+        return super().step(closure)
+
+
+class _TinyLM(torch.nn.Module):
+    """Takes input_ids and labels and returns an object with .loss, as a causal LM does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids, labels):
+        return type("Out", (), {"loss": self.emb(input_ids).pow(2).mean()})()
+
+
+@pytest.mark.parametrize("make", [_TensorLrAdamW, _FloatLrAdamW], ids=["tensor-lr", "float-lr"])
+def test_train_schedule_drives_tensor_and_float_lr(ft, make):
+    from adambridge.lab import trust
+    args = ft.parse_args(["--steps", "5", "--lr", "0.01", "--warmup", "0.4"])
+    model = _TinyLM()
+    opt = make(model.parameters(), lr=args.lr)
+    held = opt.param_groups[0]["lr"]
+    batches = torch.randint(0, 16, (5, 2, 3))
+    ft.train(model, opt, "sync", contextlib.nullcontext, batches, args, torch.device("cpu"),
+             trust.LoadMonitor(1))
+    factor = ft.lr_lambda(5, 0.4)
+    assert opt.seen == pytest.approx([0.01 * factor(s) for s in range(5)], rel=1e-6)
+    assert type(opt.param_groups[0]["lr"]) is type(held)
+    if isinstance(held, torch.Tensor):
+        assert opt.param_groups[0]["lr"] is held  # written in place, the optimizer's own tensor

@@ -82,7 +82,8 @@ def test_report_verdicts_line_judges_each_run_by_its_own_reduction():
             dict(config="bnb", label="bitsandbytes", not_installed="bitsandbytes")]
     band = lab_report.noise_band(runs, "adamw")
     assert lab_report.verdicts_line(runs, "adamw", band) == (
-        "against AdamW: AdamBridge bf16 tie (+0.0002), BF16-only worse (+0.4990); noise band 0.0004")
+        "against AdamW: AdamBridge bf16 tie (+0.0002), BF16-only worse (+0.4990); "
+        "noise band 0.0051 from 2 runs of the reference")
     assert lab_report.verdicts_line(runs[1:3], "adamw", None) == "no reference run finished: nothing to compare"
 
 

@@ -3,6 +3,7 @@ against the real models, LoRA counts against peft's, the rows, the advice and th
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -236,7 +237,7 @@ def test_plan_lora_targets_that_match_nothing_name_the_layers(tmp_path):
 def test_plan_without_gpu_and_without_cuda_names_the_choices(monkeypatch):
     monkeypatch.setattr(hardware, "cuda_device", lambda: None)
     with pytest.raises(PlanError, match=r"^Invalid gpu \(--gpu\): none given and torch sees no CUDA "
-                                        r"device here; choose one of H200, "):
+                                        r"device here; choose one of H200, .*, or give --gpu-memory GB for another card$"):
         plan(params=7e9, **MACHINE)
 
 
@@ -250,6 +251,44 @@ def test_plan_detected_card_is_the_default_and_unknown_cards_need_numbers(monkey
         plan(params=7e9, **MACHINE)
     spec = plan(params=7e9, gpu_tflops=900, link_gbps=100, hbm_gbps=6000, **MACHINE).gpu
     assert (spec.memory_gb, spec.tflops, spec.link_gbps) == (200.0, 900, 100)
+
+
+@pytest.mark.parametrize("desc,given,name,link,defaults", [
+    ("memory alone: a generic card, every default named", dict(gpu_memory=12), "a 12 GB GPU", 25.0,
+     r"defaults, not this card's: 50 TFLOP/s, memory 480 GB/s, link 25 GB/s \(PCIe Gen4 x16\) "
+     r"\(give --gpu-tflops, --hbm-gbps, --link-gbps for yours\)"),
+    ("its name and link given: those are not defaults", dict(gpu_memory=32, gpu_name="RTX 5090",
+                                                            link_gbps=50), "RTX 5090", 50.0,
+     r"defaults, not this card's: 50 TFLOP/s, memory 480 GB/s \(give --gpu-tflops, --hbm-gbps "
+     r"for yours\); given: --gpu-memory 32, --link-gbps 50; named by --gpu-name$"),
+])
+def test_plan_gpu_memory_plans_a_card_not_in_the_table(monkeypatch, desc, given, name, link, defaults):
+    monkeypatch.setattr(hardware, "cuda_device", lambda: None)
+    spec = plan(params=1e9, **given, **MACHINE).gpu
+    assert (spec.name, spec.memory_gb, spec.link_gbps) == (name, given["gpu_memory"], link), desc
+    assert spec.source.startswith("not in the table; ") and re.search(defaults, spec.source), spec.source
+
+
+def test_plan_gpu_name_renames_a_table_card_and_refuses_an_empty_one():
+    spec = plan(params=1e9, gpu="RTX4090", gpu_memory=12, gpu_name="RTX 4070 Ti", **MACHINE).gpu
+    assert (spec.name, spec.memory_gb, spec.tflops) == ("RTX 4070 Ti", 12, 66)
+    with pytest.raises(PlanError, match=r"^Invalid gpu_name \(--gpu-name\): ' ' \(expected the card's name"):
+        plan(params=1e9, gpu="RTX4090", gpu_name=" ", **MACHINE)
+
+
+@pytest.mark.parametrize("desc,params,activations,reason", [
+    ("activations alone over the card", 494e6, 14.4,
+     r"the activations alone \(14\.4 GB at 4,096 tokens per backward\) fill the 10\.8 GB usable: "
+     r"fewer tokens per backward or activation checkpointing first$"),
+    ("activations and weights together", 494e6, 10.0,
+     r"the activations \(10\.0 GB at 4,096 tokens per backward\) with the bf16 weights \(0\.99 GB\) "
+     r"leave no room for any trainable parameter"),
+    ("the weights themselves", 6e9, 0.5, r"the bf16 weights alone do not leave room"),
+])
+def test_advice_first_reason_names_what_leaves_no_room(desc, params, activations, reason):
+    p = plan(params=params, gpu="RTX4090", gpu_memory=12, activations_gb=activations, **MACHINE)
+    first = p.advice.reasons[0]
+    assert first.startswith("1. trainable: ") and re.search(reason, first), (desc, first)
 
 
 @pytest.mark.parametrize("name", ["rtx 4090", "RTX-4090", "NVIDIA GeForce RTX 4090", "rtx5090 laptop",

@@ -51,6 +51,17 @@ def test_plan_cli_prints_the_setup_the_table_and_one_recommendation(capsys):
     assert out.count("Recommendation: ") == 1 and "host: 200.0 GB/s [given: --host-bw]" in out
 
 
+def test_plan_cli_gpu_memory_and_name_plan_any_card_and_say_how_deepspeed_counts(capsys, monkeypatch):
+    from adambridge.plan import hardware
+    monkeypatch.setattr(hardware, "cuda_device", lambda: None)  # a CPU-only machine planning a card
+    assert cli.main(["plan", "--params", "1e9", "--gpu-memory", "12", "--gpu-name", "RTX 3060", *GIVEN]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^GPU: RTX 3060, 12\.0 GB \(10\.8 usable\), 50 TFLOP/s .*\[not in the table; "
+                     r"defaults, not this card's: ", out, re.M), out
+    assert re.search(r"DeepSpeed's estimate_zero2/3_model_states_mem_needs prints GiB \(2\^30 bytes\).*"
+                     r"additional_buffer_factor=1\.5", out)
+
+
 def test_plan_cli_json_is_the_function_plan(capsys):
     argv = ["plan", "--params", "13B", "--gpu", "L40S", "--gpus", "4", "--json", *GIVEN]
     assert cli.main(argv) == 0

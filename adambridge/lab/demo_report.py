@@ -128,9 +128,12 @@ def _row(run: dict, ref: Optional[dict], band: Optional[float]) -> list[str]:
 
 
 def mode_cell(run: dict) -> str:
-    """ "sync", or "async N/M": N of the optimizer's M tensors hooked (the rest update at step_sync())."""
+    """ "sync", or "async N/M, S%": N of the optimizer's M tensors hooked (the rest update at
+    step_sync()), S% of the updated elements updated during backward (off the critical path)."""
     if run["mode"] == "async" and run.get("hooked"):
-        return "async {}/{}".format(*run["hooked"])
+        cell = "async {}/{}".format(*run["hooked"])
+        share = run.get("off_path")
+        return cell if share is None else f"{cell}, {share:.0%} off path"
     return run["mode"]
 
 
@@ -188,7 +191,8 @@ def _notes(report: dict) -> list[str]:
 LEGEND = [
     "mode: sync is step() after backward; async N/M is attach_hooks with N of the M parameter "
     "tensors hooked (their update overlaps backward; the others, under small_param_threshold "
-    "elements, update at step_sync())",
+    "elements, update at step_sync()); S% off path: the share of the updated elements updated "
+    "during backward, off the training step's critical path (StepStats)",
     "val loss: mean next-byte cross-entropy (nats) over the validation sequences after the last step",
     "vs reference: how much less the configuration reduced the validation loss from its start "
     "than the reference did (with one start for all, its final loss minus the reference's), "

@@ -164,10 +164,12 @@ def build_model(setup: Setup, weights: torch.dtype) -> dm.TinyGPT:
 
 
 def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar, on_eval=None,
-                monitor: Optional[trust.LoadMonitor] = None) -> tuple[list[float], list[float]]:
+                monitor: Optional[trust.LoadMonitor] = None,
+                overlap: Optional[list] = None) -> tuple[list[float], list[float]]:
     """Run the optimizer over the given batches; returns per-step losses and times (s).
 
-    `monitor` reads the machine's load before each step, outside the timed part."""
+    `monitor` reads the machine's load before each step, outside the timed part; `overlap`
+    ([0, 0]) adds up the async steps' elements updated during backward and at step_sync()."""
     # NOTE: the schedule is written into param_groups directly (what an LR scheduler does):
     # in async mode there is no opt.step() for torch's schedulers to count.
     factor = lr_lambda(len(starts), setup.preset.warmup)
@@ -183,7 +185,10 @@ def train_steps(model, opt, mode: str, setup: Setup, starts: torch.Tensor, bar, 
         t0 = time.perf_counter()
         loss = dm.lm_loss(model, seqs)
         loss.backward()
-        opt.step_sync() if mode == "async" else opt.step()
+        stats = opt.step_sync() if mode == "async" else opt.step()
+        if overlap is not None and mode == "async":
+            overlap[0] += stats.elems_in_backward
+            overlap[1] += stats.elems_in_step
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
@@ -215,12 +220,15 @@ def run_config(setup: Setup, config: Config, data_seed: int, bar) -> dict:
 
     starts = dm.batch_starts(len(setup.train), setup.preset.ctx, batch, setup.steps, data_seed)
     monitor = trust.LoadMonitor(torch.get_num_threads())
-    losses, times = train_steps(model, opt, mode, setup, starts, bar, on_eval, monitor)
+    overlap = [0, 0]  # elements updated during backward, at step_sync()
+    losses, times = train_steps(model, opt, mode, setup, starts, bar, on_eval, monitor,
+                                overlap)
     memory = probe.stop()
     numel = sum(p.numel() for p in model.parameters())
     result = dict(
         config=config.name, label=config.label, data_seed=data_seed, mode=mode, backend=backend,
         hooked=hooked(opt, mode),
+        off_path=overlap[0] / sum(overlap) if sum(overlap) else None,
         weights=str(config.weights).replace("torch.", ""),
         start_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
         val_curve=val_curve, train_curve=losses,

@@ -187,7 +187,10 @@ def test_demo_tiny_run_writes_report_plot_and_table(tmp_path, capsys, one_thread
     cells = {row[0]: row[1] for row in report["sections"][0]["rows"]}
     for run in report["runs"]:
         ours = run["config"].startswith("adambridge-")
-        assert cells[run["label"]] == (expected if ours else "sync"), run["label"]
+        # and the share of the update that ran during backward, from StepStats
+        assert (0 <= run["off_path"] <= 1) if ours else run["off_path"] is None, run["label"]
+        assert cells[run["label"]] == (f"{expected}, {run['off_path']:.0%} off path" if ours
+                                       else "sync"), run["label"]
         assert run["hooked"] == ([big, len(list(model.parameters()))] if ours else None)
     state = {r["config"]: r["state_bytes_per_param"] for r in report["runs"]}
     assert state["adambridge-fp32"] > state["adambridge-bf16"] > state["adambridge-fp8"] > 4

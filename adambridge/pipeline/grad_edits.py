@@ -52,6 +52,16 @@ def second_gradient_error(index: int) -> RuntimeError:
                         f"from each: pass use_reentrant=False")
 
 
+def recomputed_gradient_error(index: int) -> RuntimeError:
+    """A new backward after the step's gradient of a parameter was discarded (p.grad set to
+    None between two passes, as SAM and ASAM do): accumulating would not be that loop."""
+    return RuntimeError(f"adambridge: parameter {index} received a new gradient in a step "
+                        f"whose earlier gradient was discarded (p.grad set to None between "
+                        f"two backward passes, as SAM and ASAM do); async mode cannot "
+                        f"recompute a step's gradients yet: run this loop in sync mode "
+                        f"(opt.detach_hooks()), which gives its exact result")
+
+
 class GradEditsMixin:
     """Pipeline methods that keep p.grad faithful between backward and step()."""
 

@@ -55,7 +55,8 @@ from .transport import make_transport
 from .work_items import Job, Piece, StepRecord, WriteBack
 from .worker import _STOP, Lane, chunk_ranges, worker_cpus
 from .corrections import SCALER_CAUSE, FactsMixin
-from .grad_edits import GradEditsMixin, after_reducer, grads_for_host, second_gradient_error
+from .grad_edits import (GradEditsMixin, after_reducer, grads_for_host,
+                         recomputed_gradient_error, second_gradient_error)
 from .grad_views import plain
 
 if TYPE_CHECKING:  # the optimizer's door (adambridge/door.py)
@@ -201,6 +202,8 @@ class Pipeline(FactsMixin, GradEditsMixin):
         record = self._record or self._current_record()
         opt = self.opt  # (a weak reference: called once per gradient, not once per use)
         if p in record.jobs:
+            if reduced is None and p in self._views and p.grad is not self._views[p]:
+                raise recomputed_gradient_error(opt.index(p))
             raise second_gradient_error(opt.index(p))
         if not record.failed:
             if reduced is not None and not record.jobs:  # DDP: see p.grad once DDP wrote it
@@ -688,7 +691,9 @@ class Pipeline(FactsMixin, GradEditsMixin):
         raise RuntimeError(f"zero_grad() between a backward pass and step(): the hooks had "
                            f"already taken this optimizer's gradients for the step{done}; "
                            f"turn requires_grad off on its parameters for that backward "
-                           f"(Lightning: self.toggle_optimizer(other)), or call step() first")
+                           f"(Lightning: self.toggle_optimizer(other)), or call step() first; "
+                           f"a loop that recomputes the step's gradients (SAM, ASAM) runs "
+                           f"exactly in sync mode (opt.detach_hooks())")
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:

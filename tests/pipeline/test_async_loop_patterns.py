@@ -434,3 +434,37 @@ def test_loop_user_post_accumulate_hook_registered_after_attach_names_the_cause(
                                            r"post-accumulate-grad hook before "
                                            r"opt\.attach_hooks\(model\)"):
         _run_with_user_hook(True, False)
+
+
+def _sam_step(model, opt, x, rho=0.05):
+    # SAM's two passes as its common wrapper makes them: backward, perturb the weights along
+    # the gradient, discard the gradients (the wrapper's own zero_grad sets them to None),
+    # backward again at the perturbed weights, restore, step.
+    params = [p for p in model.parameters()]
+    model(x).square().mean().backward()
+    norm = torch.stack([p.grad.norm() for p in params]).norm()
+    moves = [p.grad * (rho / (norm + 1e-12)) for p in params]
+    with torch.no_grad():
+        for p, move in zip(params, moves):
+            p.add_(move)
+    for p in params:
+        p.grad = None
+    model(x).square().mean().backward()
+    with torch.no_grad():
+        for p, move in zip(params, moves):
+            p.sub_(move)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_loop_sam_is_refused_with_advice_that_gives_sam():
+    # Not accumulate() (which would add the two gradients: not SAM) but sync mode.
+    model = _model(SIZES["large"], moe=False)
+    opt = AdamBridge(model.parameters(), lr=1e-3)
+    x = _data(SIZES["large"])[0]
+    _sam_step(model, opt, x)  # sync mode: runs
+    opt.attach_hooks(model)
+    with pytest.raises(RuntimeError, match=r"^adambridge: parameter \d+ received a new gradient "
+                                           r"in a step whose earlier gradient was discarded.*"
+                                           r"SAM and ASAM.*sync mode \(opt\.detach_hooks\(\)\)"):
+        _sam_step(model, opt, x)

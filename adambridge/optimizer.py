@@ -682,7 +682,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state, handed = {}, []
         for key, value in self.state.items():
             if not isinstance(key, torch.Tensor):
-                state[key] = value  # not a parameter's: kept as is, as torch does
+                # Not a parameter's: kept as torch keeps it; the table made it a HostState,
+                # which torch.load(weights_only=True) of the re-saved file would refuse.
+                state[key] = dict(value) if isinstance(value, host_state.HostState) else value
             elif value and self._shard_group is None and key in self._param_index:
                 index = self._param_index[key]  # (else taken out of param_groups: not saved)
                 copied = None  # every saved tensor is a view of the state's own

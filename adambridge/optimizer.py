@@ -714,6 +714,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        self._refuse_load_mid_step()
         self.follow_groups()  # the checkpoint's ids name the groups' parameters as they are
         params = [p for group in self.param_groups for p in group["params"]]
         # A tuned run resumes in the precision its tuner had reached (autotune.py).
@@ -751,6 +752,21 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             self._tuner.load_state_dict(tuned)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _refuse_load_mid_step(self) -> None:
+        """A load between backward() and step() with hooks on the NVMe tier, refused.
+
+        NOTE: the hooks have begun this step (its updates of file-placed parameters may
+        already be committed in the files, the rest are queued with the old state), so a
+        load would end with the loaded state and this step's mixed, not the load followed
+        by the step as in sync mode."""
+        record = getattr(self._pipeline, "_record", None)
+        if self._tier is None or record is None or not record.jobs or record.failed:
+            return
+        raise RuntimeError("load_state_dict() between backward() and step() with hooks on "
+                           "the NVMe tier (offload_dir): this step's updates have begun and "
+                           "would mix with the loaded state; call opt.step() first and load "
+                           "after it, or load before backward()")
 
     def take_written_state(self, p: torch.Tensor, value: dict) -> dict:
         """The HostState for a plain dict written into ``opt.state[p]`` from outside

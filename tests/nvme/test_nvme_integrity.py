@@ -7,6 +7,7 @@ by a new optimizer's first step, or resumed bit for bit against the uninterrupte
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,3 +194,48 @@ def test_tier_resume_that_does_not_fit_is_refused(case, tmp_path):
         opt.nvme_tier.resume()
     assert not any(opt.state.values())
     opt.nvme_tier.close()
+
+
+def _hooked_run(tmp_path: Path, load_mid_step: bool) -> tuple:
+    """4 steps with hooks on the tier; at the 4th, a load of step 2's state between
+    backward() and step() when ``load_mid_step``. Returns (params, state_dict, refusal)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 300), nn.Linear(300, 5))
+    opt = AdamBridge(model.parameters(), lr=1e-2, offload_dir=tmp_path, host_budget=0,
+                     chunk_size=256, small_param_threshold=64)
+    opt.attach_hooks(model)
+    gen = torch.Generator().manual_seed(3)
+    refusal, saved = None, None
+    for step in range(1, 5):
+        model(torch.randn(8, 24, generator=gen)).pow(2).mean().backward()
+        if step == 4 and load_mid_step:
+            committed = read_committed(tmp_path)
+            with pytest.raises(RuntimeError) as info:
+                opt.load_state_dict(saved)
+            refusal = str(info.value)
+            after = read_committed(tmp_path)  # the refused load wrote nothing
+            assert all(torch.equal(committed[i][k], after[i][k]) for i in after
+                       for k in after[i])
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            saved = {**opt.state_dict()}
+    state = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.detach_hooks()
+    opt.nvme_tier.close()
+    return params, state, refusal
+
+
+def test_tier_load_between_backward_and_step_with_hooks_is_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    params, state, refusal = _hooked_run(tmp_path / "a", load_mid_step=True)
+    assert re.fullmatch(r"load_state_dict\(\) between backward\(\) and step\(\) with hooks on "
+                        r"the NVMe tier \(offload_dir\): this step's updates have begun and "
+                        r"would mix with the loaded state; call opt.step\(\) first and load "
+                        r"after it, or load before backward\(\)", refusal)
+    # The step then went on as if no load had been tried.
+    plain_params, plain_state, _ = _hooked_run(tmp_path / "b", load_mid_step=False)
+    assert all(torch.equal(p, q) for p, q in zip(params, plain_params))
+    assert all(torch.equal(state[i][k], plain_state[i][k]) for i in state for k in state[i])

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
 from .direct_io import TierError
 from .layout import MANIFEST, fitted, read_manifest
-
-if TYPE_CHECKING:
-    from .tier import Tier
 
 HOW = ("resume it with opt.nvme_tier.resume() before the first step, load a checkpoint with "
        "opt.load_state_dict(), or start fresh with opt.nvme_tier.discard() (or another "
@@ -61,8 +58,9 @@ def refusal(earlier: Found) -> TierError:
     return TierError(f"NVMe tier: {earlier.describe()}, which this step would overwrite; {HOW}")
 
 
-def resume(tier: "Tier", earlier: Optional[Found]) -> int:
-    """Take the earlier run's committed state as this optimizer's; return its step.
+def resume(tier: Any, earlier: Optional[Found]) -> int:
+    """Take the earlier run's committed state as the optimizer's of ``tier`` (nvme/tier.py's
+    Tier); return its step.
 
     Every parameter must be file-placed, with an entry of its size and precision, all at one
     step; each committed page is read (and its checksum checked) and the parameters are set
@@ -87,7 +85,7 @@ def resume(tier: "Tier", earlier: Optional[Found]) -> int:
     return plan[0][1]["step"] if plan else 0
 
 
-def _entry(tier: "Tier", earlier: Found, p: torch.Tensor) -> dict:
+def _entry(tier: Any, earlier: Found, p: torch.Tensor) -> dict:
     opt, index = tier.opt(), tier.opt().index(p)
     entry = earlier.manifest["params"].get(str(index))
     where = f"opt.nvme_tier.resume(): parameter {index}"
@@ -117,7 +115,7 @@ def _check_same_step(earlier: Found, plan: list) -> None:
                          f"opt.nvme_tier.discard()")
 
 
-def _check_dirs(tier: "Tier", earlier: Found) -> None:
+def _check_dirs(tier: Any, earlier: Found) -> None:
     saved = [str(d) for d in earlier.manifest["dirs"]]
     if saved != [str(d) for d in tier.dirs]:
         raise ValueError(f"opt.nvme_tier.resume(): the earlier run striped its pages over "
@@ -125,7 +123,7 @@ def _check_dirs(tier: "Tier", earlier: Found) -> None:
                          f"offload_dir the same directories in the same order")
 
 
-def _resume_param(tier: "Tier", p: torch.Tensor, entry: dict) -> None:
+def _resume_param(tier: Any, p: torch.Tensor, entry: dict) -> None:
     opt = tier.opt()
     state = tier.state_of_earlier(p, entry["generation"], entry["step"])
     with torch.no_grad():

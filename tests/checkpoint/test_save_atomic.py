@@ -1,6 +1,6 @@
 """adambridge.checkpoint.save to a path is atomic: a kill or a full drive never costs the previous checkpoint.
 
-Kills are real (SIGKILL of a child process that saves in a loop, taken as it starts a save);
+Kills are real (SIGKILL of a child process that saves in a loop, while a file is being written);
 a full drive is a small tmpfs the test mounts, skipped where it cannot mount one.
 """
 from __future__ import annotations
@@ -28,15 +28,29 @@ _SAVER = textwrap.dedent("""
 """)
 
 
+def _writing(folder: Path, numel: int) -> bool:
+    """Whether a checkpoint is being written in ``folder``: a file there holds less than a
+    whole one (the target truncated and refilled in place, or a partial file beside it)."""
+    for entry in folder.iterdir():
+        try:
+            if entry.stat().st_size < numel * 4:
+                return True
+        except FileNotFoundError:  # renamed meanwhile
+            continue
+    return False
+
+
 def _kill_while_saving(path: Path, version: int, numel: int) -> None:
-    """Start a child that saves versions 1, 2, ... to ``path``; SIGKILL it as it begins
-    writing ``version``."""
+    """Start a child that saves versions 1, 2, ... to ``path``; SIGKILL it while it writes
+    ``version`` (seen as a file of less than a whole checkpoint)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen([sys.executable, "-c", _SAVER, str(path), str(numel)],
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
         for line in child.stdout:
             if line.strip() == f"writing {version}":
+                while not _writing(path.parent, numel) and child.poll() is None:
+                    pass
                 os.kill(child.pid, signal.SIGKILL)
                 break
     finally:
@@ -45,9 +59,9 @@ def _kill_while_saving(path: Path, version: int, numel: int) -> None:
     assert child.returncode == -signal.SIGKILL
 
 
-KILLS = [{"desc": "as the second save starts", "version": 2},
-         {"desc": "as the third save starts", "version": 3},
-         {"desc": "as the fifth save starts", "version": 5}]
+KILLS = [{"desc": "while writing the second", "version": 2},
+         {"desc": "while writing the third", "version": 3},
+         {"desc": "while writing the fifth", "version": 5}]
 
 
 @pytest.mark.parametrize("case", KILLS, ids=lambda c: c["desc"])

@@ -97,12 +97,14 @@ def _entry(tier: Any, earlier: Found, p: torch.Tensor) -> dict:
         raise ValueError(f"{where} has no state in {earlier.path}; resume with the model and "
                          f"parameter groups of the earlier run")
     layout = fitted(opt.precision, tier.config.page_size, p.numel())
-    wanted = {"numel": p.numel(), "precision": opt.precision, "page_size": layout.page_size}
+    # (the seed keys the stochastic rounding: another one would not go on bit for bit)
+    wanted = {"numel": p.numel(), "precision": opt.precision, "page_size": layout.page_size,
+              "seed": opt.seed}
     for key, value in wanted.items():
         if entry.get(key) != value:
             raise ValueError(f"{where} has {key} {value!r}, the earlier run's state in "
                              f"{earlier.path} has {entry.get(key)!r}; resume with the model, "
-                             f"precision and page_size of the earlier run")
+                             f"precision, seed and page_size of the earlier run")
     return entry
 
 

@@ -286,8 +286,8 @@ class Tier:
         opt = self._opt()
         by_index = {files.index: files for files in self._files.values()}
         entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
-                       "page_size": by_index[i].layout.page_size, "generation": gen,
-                       "step": step}
+                       "page_size": by_index[i].layout.page_size, "seed": opt.seed,
+                       "generation": gen, "step": step}
                    for i, (gen, step) in committed.items() if i in by_index}
         files = {id(f): f for f in written}.values()
         stage = functools.partial(stage_manifest, self.dirs[0], self.config.page_size, self.dirs,

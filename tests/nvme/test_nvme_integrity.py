@@ -156,6 +156,26 @@ def test_tier_of_a_killed_run_is_refused_not_overwritten(tmp_path):
     opt.nvme_tier.close()
 
 
+def test_tier_of_a_killed_run_is_refused_in_async_mode_with_nothing_changed(tmp_path):
+    dirs = _drives(tmp_path, 2)
+    _killed_run(dirs, 3)
+    params = _params()
+    values = [p.detach().clone() for p in params]
+    opt = _optimizer(params, dirs, budget=0)
+    opt.attach_hooks()
+    with pytest.raises(RuntimeError, match=r"\(TierError: NVMe tier: .* holds the committed "
+                                           r"state of an earlier run \(step 3 of 3 parameters\)"
+                                           r", which this step would overwrite; .*\); no "
+                                           r"parameter or optimizer state was changed"):
+        sum((p * g).sum() for p, g in zip(params, _grads(params, 1))).backward()
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert not any(opt.state.values())
+    assert {int(s["step"]) for s in read_committed(dirs[0]).values()} == {3}
+    opt.detach_hooks()
+    opt.nvme_tier.close()
+
+
 def test_tier_of_a_killed_run_resumes_bit_for_bit(tmp_path):
     dirs = _drives(tmp_path, 2)
     _killed_run(dirs, 5)
@@ -175,10 +195,12 @@ def test_tier_of_a_killed_run_resumes_bit_for_bit(tmp_path):
 
 
 RESUME_REFUSALS = [
-    {"desc": "a parameter placed in RAM", "budget": 200, "precision": "bf16",
+    {"desc": "a parameter placed in RAM", "budget": 200, "precision": "bf16", "seed": 0,
      "match": r"parameter 0 keeps its state in RAM \(host_budget\), which the earlier run lost"},
-    {"desc": "another precision", "budget": 0, "precision": "fp32",
+    {"desc": "another precision", "budget": 0, "precision": "fp32", "seed": 0,
      "match": r"parameter 0 has precision 'fp32', the earlier run's state in .* has 'bf16'"},
+    {"desc": "another seed", "budget": 0, "precision": "bf16", "seed": 9,
+     "match": r"parameter 0 has seed 9, the earlier run's state in .* has 0"},
 ]
 
 
@@ -188,7 +210,7 @@ def test_tier_resume_that_does_not_fit_is_refused(case, tmp_path):
     _killed_run(dirs, 2)
     params = _params()
     opt = AdamBridge(params, lr=1e-2, precision=case["precision"], backend="torch",
-                     host_budget=case["budget"],
+                     host_budget=case["budget"], seed=case["seed"],
                      offload_dir=OffloadConfig(dirs, page_size=256, queue_depth=2))
     with pytest.raises(ValueError, match=case["match"]):
         opt.nvme_tier.resume()

@@ -689,7 +689,9 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         state, handed = {}, []
         for key, value in self.state.items():
             if not isinstance(key, torch.Tensor):
-                state[key] = value  # not a parameter's: kept as is, as torch does
+                # Not a parameter's: kept as torch keeps it; the table made it a HostState,
+                # which torch.load(weights_only=True) of the re-saved file would refuse.
+                state[key] = dict(value) if isinstance(value, host_state.HostState) else value
             elif value and self._shard_group is None and key in self._param_index:
                 index = self._param_index[key]  # (else taken out of param_groups: not saved)
                 copied = None  # every saved tensor is a view of the state's own
@@ -719,6 +721,7 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        self._refuse_load_mid_step()
         self.follow_groups()  # the checkpoint's ids name the groups' parameters as they are
         params = [p for group in self.param_groups for p in group["params"]]
         # A tuned run resumes in the precision its tuner had reached (autotune.py).
@@ -756,6 +759,21 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
             self._tuner.load_state_dict(tuned)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _refuse_load_mid_step(self) -> None:
+        """A load between backward() and step() with hooks on the NVMe tier, refused.
+
+        NOTE: the hooks have begun this step (its updates of file-placed parameters may
+        already be committed in the files, the rest are queued with the old state), so a
+        load would end with the loaded state and this step's mixed, not the load followed
+        by the step as in sync mode."""
+        record = getattr(self._pipeline, "_record", None)
+        if self._tier is None or record is None or not record.jobs or record.failed:
+            return
+        raise RuntimeError("load_state_dict() between backward() and step() with hooks on "
+                           "the NVMe tier (offload_dir): this step's updates have begun and "
+                           "would mix with the loaded state; call opt.step() first and load "
+                           "after it, or load before backward()")
 
     def take_written_state(self, p: torch.Tensor, value: dict) -> dict:
         """The HostState for a plain dict written into ``opt.state[p]`` from outside

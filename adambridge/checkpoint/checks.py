@@ -109,8 +109,10 @@ def _same_step(value: Any, step: int) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1 and value.item() == step
 
 
-def _tensor(index: int, entry: dict, key: str, numel: int) -> torch.Tensor:
-    """entry[key], checked to be a tensor of ``numel`` elements, on the host."""
+def _tensor(index: int, entry: dict, key: str, numel: int,
+            shape: Optional[torch.Size] = None) -> torch.Tensor:
+    """entry[key], checked to be a tensor of ``numel`` elements (of ``shape`` where it has
+    more than one dimension), on the host."""
     value = entry[key]
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"Invalid checkpoint {key!r} of parameter {index}: "
@@ -118,6 +120,13 @@ def _tensor(index: int, entry: dict, key: str, numel: int) -> torch.Tensor:
     if value.numel() != numel:
         raise ValueError(f"Checkpoint {key!r} of parameter {index} has {value.numel()} "
                          f"elements, expected {numel}")
+    # NOTE: a flat tensor of the right size is a parameter's state laid out as we store it;
+    # one of another shape with as many elements belongs to another parameter (a (20, 30)
+    # weight's into a (30, 20) one), whose values would land on the wrong elements.
+    if shape is not None and value.dim() > 1 and value.shape != shape:
+        raise ValueError(f"Checkpoint {key!r} of parameter {index} has shape "
+                         f"{tuple(value.shape)}, the parameter has {tuple(shape)}; load the "
+                         f"checkpoint of this model")
     # NOTE: a checkpoint mapped to a device (torch.load's map_location) is read on the host:
     # nothing of a load is allocated on a device. A host tensor is kept as it is (no
     # detached view) so that restore.Taker can tell whether anything else holds it.
@@ -135,13 +144,14 @@ def _precision_of_pair(moments: dict) -> Optional[str]:
                  if dtypes == pair), None)
 
 
-def _checked_moments(index: int, moments: dict, numel: int, where: str) -> tuple:
+def _checked_moments(index: int, moments: dict, numel: int, where: str,
+                     shape: Optional[torch.Size] = None) -> tuple:
     """(moments, their precision or None) of one entry: dtypes, sizes and fp8 scales checked."""
     found = {}
     for key in ("exp_avg", "exp_avg_sq"):
         if key not in moments:
             raise ValueError(f"Checkpoint state of parameter {index} lacks {where + key!r}")
-        found[key] = _tensor(index, moments, key, numel)
+        found[key] = _tensor(index, moments, key, numel, shape)
         if not found[key].is_floating_point():
             raise ValueError(f"Invalid checkpoint {where + key!r} of parameter {index}: dtype "
                              f"{found[key].dtype} (expected a floating-point tensor)")
@@ -189,15 +199,22 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     _check_native_pairs(index, native)
     stored = None
     if fresh and len(native) >= 2:
-        stored = _stored_moments(index, native, entry, numel, saved_precision, maps)
+        stored = _stored_moments(index, native, entry, p.shape, saved_precision, maps)
+    if not fresh and native and "exp_avg" not in entry and "exp_avg_sq" not in entry:
+        # Only our stored moments, which 'ab_step' says belong to another step than 'step'.
+        raise ValueError(f"Checkpoint state of parameter {index} has 'step' {step} but "
+                         f"'ab_step' {_shown(entry['ab_step'])}, and its moments are only "
+                         f"the stored ({OURS}) ones of step 'ab_step'; save 'step' and "
+                         f"'ab_step' together, as optimizer.state_dict() does")
     if stored is None or "exp_avg" in entry or "exp_avg_sq" in entry:
         # torch's form (an AdamW checkpoint, ours of fp32 or bf16 moments): checked wherever
         # it is saved, even beside stored moments that are used instead
-        torch_form = _checked_moments(index, entry, numel, "")
+        torch_form = _checked_moments(index, entry, numel, "", p.shape)
     moments, precision = stored if stored is not None else torch_form
+    check_moment_values(index, moments, maps, OURS if stored is not None else "")
     master = None
     if "master" in entry:
-        value = _tensor(index, entry, "master", numel)
+        value = _tensor(index, entry, "master", numel, p.shape)
         if not value.is_floating_point():
             raise ValueError(f"Invalid checkpoint 'master' of parameter {index}: dtype "
                              f"{value.dtype} (expected torch.float32)")
@@ -206,7 +223,7 @@ def checked_entry(index: int, entry: Any, p: torch.Tensor, saved_precision: Opti
     return Checked(step, moments, precision, master)
 
 
-def _stored_moments(index: int, native: dict, entry: dict, numel: int,
+def _stored_moments(index: int, native: dict, entry: dict, shape: torch.Size,
                     saved_precision: Optional[str], maps: Mappings) -> Optional[tuple]:
     """(moments, precision) of the ab_ entries where they are the stored state, else None.
 
@@ -225,12 +242,62 @@ def _stored_moments(index: int, native: dict, entry: dict, numel: int,
         return None
     if _precision_of_pair(found) != (saved_precision or _precision_of_pair(found)):
         return None
+    numel = shape.numel()
     moments, precision = _checked_moments(index, native, numel, OURS)
     if "exp_avg" in entry and "exp_avg_sq" in entry:
-        torch_form, _ = _checked_moments(index, entry, numel, "")
+        torch_form, _ = _checked_moments(index, entry, numel, "", shape)
         if not _decodes_to(moments, torch_form, maps):
             return None
     return moments, precision
+
+
+# What each loaded moment may hold: (key, lowest allowed value or None, what it means).
+_VALUE_RULES = (("exp_avg", None, "finite values"),
+                ("exp_avg_sq", 0.0, "finite values >= 0"),
+                ("exp_avg_scale", 0.0, "finite scales >= 0"),
+                ("exp_avg_sq_scale", 0.0, "finite scales >= 0"))
+
+
+def _shown(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def check_moment_values(index: int, moments: dict, maps: Mappings, where: str = "") -> None:
+    """Refuse moments no run can reach (NaN or inf in fp32 / bf16 moments, a negative second
+    moment, a NaN, inf or negative fp8 scale): the step after such a load turns the
+    parameters NaN. One pass of min and max per tensor, a piece at a time; the offending
+    value is looked for only on a refusal."""
+    for key, lowest, expected in _VALUE_RULES:
+        if key not in moments or moments[key].element_size() == 1:
+            # NOTE: fp8 codes are not read here (no aminmax kernel: a float32 copy of each
+            # chunk would make the load several times slower); their scales are.
+            continue
+        flat = moments[key].reshape(-1)
+        for _, piece in maps.pieces(flat):
+            if piece.numel() and not _within(piece, lowest):
+                bad = _first_outside(piece, lowest)
+                raise ValueError(f"Invalid checkpoint {where + key!r} of parameter {index}: holds "
+                                 f"{bad!r} (expected {expected}); resume from a checkpoint "
+                                 f"written before the run diverged")
+        maps.release(flat)
+
+
+def _within(piece: torch.Tensor, lowest: Optional[float]) -> bool:
+    # NOTE: min and max of a whole piece are one pass with no temporary; they are inf or
+    # NaN exactly when an element is.
+    low, high = (float(end) for end in torch.aminmax(piece))
+    return math.isfinite(low) and math.isfinite(high) and (lowest is None or low >= lowest)
+
+
+def _first_outside(piece: torch.Tensor, lowest: Optional[float]) -> float:
+    for chunk in _chunks(piece):
+        values = chunk.float()
+        bad = ~torch.isfinite(values)
+        if lowest is not None:
+            bad |= values < lowest
+        if bad.any():
+            return values[bad][0].item()
+    return float("nan")  # (not reached: _within found one)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

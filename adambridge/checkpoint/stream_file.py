@@ -8,18 +8,26 @@ holds the whole file-placed state in RAM while it runs. ``save`` writes the same
 archive (``torch.load`` reads it, ``mmap=True`` and ``weights_only=True`` included) with
 each tensor's bytes written as the pickler meets it: a tensor whose values live elsewhere
 (a ``SourcedTensor``) is read, written and let go before the next one is read.
+
+Saved to a path, the file is written under a temporary name beside it, flushed to the
+drive and renamed over the target: a kill at any moment leaves the previous checkpoint
+whole, and a full drive raises one line naming the path and the space needed.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
+import shutil
 import sys
-from typing import IO, Any, Union
+from pathlib import Path
+from typing import IO, Any, Optional, Union
 
 import torch
 from torch import serialization
 
+from ..host import platform_facts
 from ..host.sourced import SourcedTensor
 
 _PROTOCOL = 2  # torch.save's default
@@ -98,9 +106,32 @@ def save(obj: Any, f: Union[str, os.PathLike, IO[bytes]]) -> None:
     entries are read one at a time, so the save holds one tensor of them, not all.
 
     The file is torch.save's format; load it with ``torch.load`` (``mmap=True`` included).
+    To a path, it is atomic: written beside the target as ``.NAME.PID.adambridge-partial``,
+    flushed to the drive (fsync), then renamed over ``f``, so ``f`` always holds a whole
+    checkpoint, the previous one until the new one is complete. A file object is written
+    in place.
     """
-    if isinstance(f, os.PathLike):
-        f = os.fspath(f)
+    if not isinstance(f, (str, os.PathLike)):
+        _write(obj, f)
+        return
+    target = Path(os.fspath(f))
+    _remove_stale_partials(target)
+    free = _free_bytes(target)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.adambridge-partial")
+    try:
+        _write(obj, str(partial))
+        _sync_file(partial)
+        platform_facts.replace(partial, target)
+    except BaseException as exc:
+        _remove(partial)
+        if _out_of_space(exc, target):
+            _drop_frames(exc)
+            raise OSError(errno.ENOSPC, _no_space_message(obj, target, free)) from None
+        raise
+    platform_facts.sync_directory(target.parent)
+
+
+def _write(obj: Any, f: Union[str, IO[bytes]]) -> None:
     with serialization._open_zipfile_writer(f) as archive:
         data = io.BytesIO()
         pickler = _StreamingPickler(data, archive)
@@ -111,3 +142,96 @@ def save(obj: Any, f: Union[str, os.PathLike, IO[bytes]]) -> None:
         alignment = str(serialization._get_storage_alignment())
         archive.write_record(".storage_alignment", alignment, len(alignment))
         archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        platform_facts.data_sync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Partial files of this target left by a save that was killed (its process is gone)."""
+    prefix = f".{target.name}."
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return  # the write below says what is wrong with the directory
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".adambridge-partial"):
+            pid = name[len(prefix):-len(".adambridge-partial")]
+            if pid.isdigit() and not _alive(int(pid)):
+                _remove(target.parent / name)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process, or no way to ask: leave its file alone
+    return True
+
+
+def _out_of_space(exc: BaseException, target: Path) -> bool:
+    """Whether ``exc`` came from a full drive (torch's writer says only ``unexpected pos``)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return False
+    free = _free_bytes(target)
+    return free is not None and free < (1 << 20)
+
+
+def _drop_frames(exc: Optional[BaseException]) -> None:
+    """Let the frames of a failed write go, and with them torch's writer and its descriptor
+    of the removed partial file: until it is closed, the drive stays full."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__context__
+
+
+def _free_bytes(target: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(target.parent).free
+    except OSError:
+        return None
+
+
+def _no_space_message(obj: Any, target: Path, free: Optional[int]) -> str:
+    had = "" if free is None else f", {free / 1e6:.1f} MB were free"
+    return (f"adambridge.checkpoint.save: no space left on the drive of {target}: the "
+            f"checkpoint needs about {_tensor_bytes(obj) / 1e6:.1f} MB{had}; free space "
+            f"there or save to another drive (the previous {target.name}, if any, is "
+            f"untouched)")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples walked; each storage once)."""
+    seen, total, todo = set(), 0, [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, torch.Tensor):
+            key = id(item) if isinstance(item, SourcedTensor) else \
+                item.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += item.numel() * item.element_size() if isinstance(item, SourcedTensor) \
+                    else item.untyped_storage().nbytes()
+    return total

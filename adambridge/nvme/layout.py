@@ -7,11 +7,19 @@ and slot B. One record holds the page's master, m, v and (fp8) scales. Generatio
 parameter is in slot ``g % 2``; a step reads slot g and writes slot g+1, and only the
 manifest, replaced atomically after the new pages are fsynced, says which is committed. A
 crash at any moment therefore leaves every parameter at the generation the manifest names.
+
+A parameter smaller than a page gets pages of its own size (rounded up to 128 elements), so
+its files take space in proportion to its state. Each record ends in a trailer: the CRC-32
+of the record's state bytes, its page number and generation, written with the page and
+checked whenever a committed page is read, so a page damaged on the drive (or a stale one
+left by a lost write) is refused in one line naming the file and offset.
 """
 from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +34,10 @@ from .direct_io import AlignedBuffer, DataFile, ReadOnlyFile, TierError, align_u
 from ..update.state import MOMENT_DTYPES
 
 MANIFEST = "adambridge-manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: pages fitted to small parameters, a checksummed trailer per record
+# The record trailer: magic, CRC-32 of the state bytes, page number, generation.
+_TRAILER = struct.Struct("<4sIQQ")
+_MAGIC = b"ABpg"
 
 
 @dataclass(frozen=True)
@@ -42,9 +53,33 @@ class PageLayout:
         return _parts(self.precision, self.page_size)
 
     @property
-    def record_bytes(self) -> int:
+    def state_bytes(self) -> int:
+        """Bytes of one record's state (master, moments, scales), before the trailer."""
         key, dtype, count, offset = self.parts[-1]
-        return align_up(offset + count * dtype.itemsize)
+        return offset + count * dtype.itemsize
+
+    @property
+    def record_bytes(self) -> int:
+        return align_up(self.state_bytes + _TRAILER.size)
+
+    def seal(self, buffer: AlignedBuffer, k: int, generation: int) -> None:
+        """Write the trailer of page ``k`` of ``generation`` after the state in ``buffer``."""
+        crc = zlib.crc32(buffer.memory[:self.state_bytes])
+        _TRAILER.pack_into(buffer.memory, self.state_bytes, _MAGIC, crc, k, generation)
+
+    def check(self, buffer: AlignedBuffer, k: int, generation: int, path: Any,
+              offset: int) -> None:
+        """Refuse a record read into ``buffer`` that is not page ``k`` of ``generation`` as
+        it was written."""
+        magic, crc, page, written = _TRAILER.unpack_from(buffer.memory, self.state_bytes)
+        if magic == _MAGIC and (page, written) == (k, generation) and \
+                crc == zlib.crc32(buffer.memory[:self.state_bytes]):
+            return
+        what = ("fails its checksum" if magic == _MAGIC and (page, written) == (k, generation)
+                else f"holds no trailer of page {k}, generation {generation}")
+        raise TierError(f"NVMe tier: the record at byte {offset} of {path} {what}: the drive "
+                        f"or something outside adambridge changed it; restore the optimizer "
+                        f"from a checkpoint with opt.load_state_dict()")
 
     def views(self, buffer: AlignedBuffer, numel: int) -> dict[str, torch.Tensor]:
         """The state of a page of ``numel`` elements, as views into ``buffer``."""
@@ -55,6 +90,12 @@ class PageLayout:
 
     def _full_views(self, buffer: AlignedBuffer) -> dict[str, torch.Tensor]:
         return {key: buffer.view(offset, count, dtype) for key, dtype, count, offset in self.parts}
+
+
+def fitted(precision: str, page_size: int, numel: int) -> PageLayout:
+    """The layout of a parameter of ``numel`` elements: pages of ``page_size``, or one page
+    of its own size (a multiple of 128) where it is smaller."""
+    return PageLayout(precision, min(page_size, -(-max(numel, 1) // FP8_BLOCK) * FP8_BLOCK))
 
 
 @lru_cache(maxsize=None)
@@ -101,6 +142,11 @@ class ParamFiles:
         file = self.files[k % len(self.files)]
         local = k // len(self.files)
         return file, (2 * local + generation % 2) * self.layout.record_bytes
+
+    def check(self, k: int, generation: int, buffer: AlignedBuffer) -> None:
+        """Refuse page ``k`` of ``generation``, read into ``buffer``, if it is damaged."""
+        file, offset = self.locate(k, generation)
+        self.layout.check(buffer, k, generation, file.path, offset)
 
     def part_shapes(self) -> list[tuple[str, torch.dtype, int]]:
         """(state key, dtype, elements) of each tensor of this parameter's state."""
@@ -181,7 +227,7 @@ def read_committed(offload_dir: os.PathLike | str) -> dict[int, dict]:
     dirs = tuple(Path(d) for d in manifest["dirs"])
     states = {}
     for key, entry in manifest["params"].items():
-        layout = PageLayout(entry["precision"], manifest["page_size"])
+        layout = PageLayout(entry["precision"], entry["page_size"])
         try:
             files = ParamFiles(dirs, int(key), entry["numel"], layout, ReadOnlyFile)
         except OSError as exc:
@@ -223,6 +269,7 @@ def read_state(files: ParamFiles, buffer: AlignedBuffer, generation: int, step: 
             raise TierError(f"NVMe tier: reading {file.path} at byte {offset} returned {got} "
                             f"bytes: it was truncated outside adambridge; restore the optimizer "
                             f"from a checkpoint with opt.load_state_dict()")
+        files.check(k, generation, buffer)
         for key, view in layout.views(buffer, numel).items():
             first = start // FP8_BLOCK if key.endswith("_scale") else start
             state[key][first:first + view.numel()].copy_(view)

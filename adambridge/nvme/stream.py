@@ -59,8 +59,9 @@ class PageStream:
 
     def ring(self, layout: PageLayout) -> list[AlignedBuffer]:
         # Allocated once (per record size); every step reuses them: no per-step allocation.
+        # Buffers of a larger record serve a smaller one (a parameter's fitted pages).
         size = layout.record_bytes
-        if not self.buffers or self.buffers[0].nbytes != size:
+        if not self.buffers or self.buffers[0].nbytes < size:
             self.buffers = [AlignedBuffer(size) for _ in range(self.pool.queue_depth + 1)]
             self.pool.register(self.buffers)
         return self.buffers
@@ -72,7 +73,7 @@ class PageStream:
         ``before_write`` (the last publish becoming durable) is waited for before the first
         write: until then the slots this step overwrites may still be the committed ones."""
         pages = [(job, k) for job in jobs for k in range(job.files.num_pages)]
-        ring = self.ring(jobs[0].files.layout)
+        ring = self.ring(max((job.files.layout for job in jobs), key=_record_bytes))
         reads: dict[int, Any] = {}
         writes: list = [None] * len(ring)
         next_read = 0
@@ -91,11 +92,14 @@ class PageStream:
                     self.pool.wait_any(reads[i], pending)
                     next_read = self._read_ahead(pages, i, next_read, ring, reads, writes)
                 self.pool.wait(reads.pop(i))
+                if job.generation > 0:
+                    job.files.check(k, job.generation, ring[i % len(ring)])
                 began = time.perf_counter()
                 self._update(opt, job, k, ring[i % len(ring)], backend)
                 host_s += time.perf_counter() - began
                 if i == 0:
                     self.pool.wait(before_write)
+                job.files.layout.seal(ring[i % len(ring)], k, job.generation + 1)
                 file, offset = job.files.locate(k, job.generation + 1)
                 writes[i % len(ring)] = self.pool.write(file, ring[i % len(ring)], offset,
                                                         job.files.layout.record_bytes)
@@ -143,6 +147,10 @@ class PageStream:
         adamw_update([item], backend)
 
 
+def _record_bytes(layout: PageLayout) -> int:
+    return layout.record_bytes
+
+
 def _fresh_page(job: StreamJob, k: int, buffer: AlignedBuffer) -> None:
     # A new state, as state.new_state makes it: master = p's values now, moments zero.
     start, numel = job.files.page(k)
@@ -162,6 +170,7 @@ def master_is_rounding(pool: IOEngine, files: ParamFiles, buffer: AlignedBuffer,
         start, numel = files.page(k)
         file, offset = files.locate(k, generation)
         pool.wait(pool.read(file, buffer, offset, files.layout.record_bytes))
+        files.check(k, generation, buffer)
         master = files.layout.views(buffer, numel)["master"]
         if not is_rounding_of(master, values[start:start + numel]):
             return False

@@ -27,12 +27,13 @@ from ..host.mapped import Mappings
 from ..update import state as host_state
 from ..update.codecs import FP8_BLOCK
 from .config import OffloadConfig, Placed, all_in_ram, check_offload, place  # noqa: F401
+from . import recovery
 from .engine import open_engine
 from .filed import Pinned, filed_state, keep_values
 from .direct_io import (IOEngine, TierError, check_claim, claim_directory, lock_directory,
                         release_lock)
-from .layout import (PageLayout, ParamFiles, read_state, rename_manifest, stage_manifest,
-                     sync_directory)
+from .layout import (PageLayout, ParamFiles, fitted, read_state, rename_manifest,
+                     stage_manifest, sync_directory)
 from .stream import PageStream, StreamJob, master_is_rounding
 from ..stats import StepStats
 
@@ -95,6 +96,8 @@ class Tier:
         self._landed_step: Any = lambda: None              # the StepRecord they belong to
         self._last_commit_s: Optional[float] = None
         self._renamed: Optional[Future] = None  # the directory fsync of the last publish
+        # An earlier run's committed state here: refused before it is overwritten (recovery.py).
+        self._earlier = recovery.found(self.dirs[0])
         self._finalizer = weakref.finalize(self, _close, self.pool, self._lock_fds,
                                            self._files, self._live_parts)
 
@@ -102,6 +105,36 @@ class Tier:
         """Release the files and directory locks now instead of when the tier is collected
         (idempotent). Steps, state_dict() and load_state_dict() raise afterwards."""
         self._finalizer()
+
+    def opt(self) -> OptimizerDoor:
+        return self._opt()
+
+    def resume(self) -> int:
+        """Take the state an earlier run committed in these directories (killed, say) as this
+        optimizer's, before its first step; return its step. Every parameter must be
+        file-placed (``host_budget=0``) with the earlier run's sizes, precision and page
+        size; the parameters are set to their masters' rounding. See docs/nvme.md."""
+        self._check_open()
+        with self.lock:
+            step = recovery.resume(self, self._earlier)
+            self._earlier = None
+        return step
+
+    def discard(self) -> None:
+        """Start fresh: the earlier run's state in these directories is overwritten by the
+        first step instead of refused."""
+        self._earlier = None
+
+    def state_of_earlier(self, p: torch.Tensor, generation: int, step: int) -> dict:
+        """p's state as an earlier run committed it (every page's checksum checked), now
+        this tier's committed state of p."""
+        index = self._opt().index(p)
+        layout = fitted(self._opt().precision, self.config.page_size, p.numel())
+        files = self._files[p] = ParamFiles(self.dirs, index, p.numel(), layout)
+        state = read_state(files, self.stream.ring(self.layout)[0], generation, step)
+        self._committed[index] = (generation, step)
+        self._opt().state[p] = FiledState(step=state["step"])
+        return state
 
     def _check_open(self) -> None:
         if os.getpid() != self._pid:
@@ -168,9 +201,12 @@ class Tier:
         reserved) here, before any update, so a full drive fails with nothing changed."""
         self._check_open()
         with self.lock:
+            if self._earlier is not None:
+                raise recovery.refusal(self._earlier)
             if p not in self._files:
                 index = self._opt().index(p)
-                self._files[p] = ParamFiles(self.dirs, index, p.numel(), self.layout)
+                layout = fitted(self._opt().precision, self.config.page_size, p.numel())
+                self._files[p] = ParamFiles(self.dirs, index, p.numel(), layout)
             self._committed.pop(self._files[p].index, None)  # generation 0: read from p
         return FiledState(step=torch.tensor(0.0, dtype=torch.float32))
 
@@ -215,6 +251,8 @@ class Tier:
         self._check_open()
         with self.lock:
             self._check_claims()
+            if self._earlier is not None:
+                raise recovery.refusal(self._earlier)
             for job in jobs:
                 job.files.check_sizes()
                 job.generation = self._committed.get(job.files.index, (0, 0))[0]
@@ -248,6 +286,7 @@ class Tier:
         opt = self._opt()
         by_index = {files.index: files for files in self._files.values()}
         entries = {i: {"numel": by_index[i].numel, "precision": opt.precision,
+                       "page_size": by_index[i].layout.page_size, "seed": opt.seed,
                        "generation": gen, "step": step}
                    for i, (gen, step) in committed.items() if i in by_index}
         files = {id(f): f for f in written}.values()
@@ -403,27 +442,36 @@ class Tier:
         out, written, maps = {}, {}, Mappings()
         with self.lock:
             self._check_claims()
-            self.pool.wait(self._renamed)  # the slots written below may be the committed ones
-            for p, state in states:
-                if not isinstance(p, torch.Tensor) or not self.holds(p):
-                    out[p] = state
-                    continue
-                if p not in self._files:
-                    self.new_state(p)
-                files = self._files[p]
-                generation = self._committed.get(files.index, (0, 0))[0] + 1
-                self._writing(files.index, generation)
-                self._write_state(files, state, generation, maps)
-                written[p] = (files.index, generation, int(state["step"].item()))
-                out[p] = FiledState(step=state["step"])
-                del state  # before the next one is built: one parameter's state at a time
-            # Parameters the checkpoint has no state for start fresh, as in torch.
-            kept = {self._files[p].index for p in out if isinstance(p, torch.Tensor)
-                    and p in self._files}
-            committed = {i: v for i, v in self._committed.items() if i in kept}
-            committed.update({i: (gen, step) for i, gen, step in written.values()})
-            self._publish(committed, [f for p in written for f in self._files[p].files])
-            self._committed = committed
+            earlier, self._earlier = self._earlier, None  # the load replaces it, as asked
+            try:
+                return self._adopt(states, out, written, maps)
+            except BaseException:
+                self._earlier = earlier  # nothing was committed: it is still there
+                raise
+
+    def _adopt(self, states: Iterable[tuple], out: dict, written: dict, maps: Mappings) -> dict:
+        """adopt() under the lock: each state written as it comes, then one publish."""
+        self.pool.wait(self._renamed)  # the slots written below may be the committed ones
+        for p, state in states:
+            if not isinstance(p, torch.Tensor) or not self.holds(p):
+                out[p] = state
+                continue
+            if p not in self._files:
+                self.new_state(p)
+            files = self._files[p]
+            generation = self._committed.get(files.index, (0, 0))[0] + 1
+            self._writing(files.index, generation)
+            self._write_state(files, state, generation, maps)
+            written[p] = (files.index, generation, int(state["step"].item()))
+            out[p] = FiledState(step=state["step"])
+            del state  # before the next one is built: one parameter's state at a time
+        # Parameters the checkpoint has no state for start fresh, as in torch.
+        kept = {self._files[p].index for p in out if isinstance(p, torch.Tensor)
+                and p in self._files}
+        committed = {i: v for i, v in self._committed.items() if i in kept}
+        committed.update({i: (gen, step) for i, gen, step in written.values()})
+        self._publish(committed, [f for p in written for f in self._files[p].files])
+        self._committed = committed
         return out
 
     def _write_state(self, files: ParamFiles, state: dict, generation: int,
@@ -441,6 +489,7 @@ class Tier:
                 view.copy_(source)
                 if maps is not None:
                     maps.release(source)  # a no-op unless it lies in a file mapping
+            files.layout.seal(buffer, k, generation)
             file, offset = files.locate(k, generation)
             self.pool.wait(self.pool.write(file, buffer, offset, files.layout.record_bytes))
 

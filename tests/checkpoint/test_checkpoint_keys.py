@@ -9,6 +9,7 @@ and starts the parameter fresh.
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -70,3 +71,19 @@ def test_entries_under_keys_the_groups_do_not_list_are_refused_in_one_line():
         other.load_state_dict(mixed)
     assert "\n" not in str(info.value)
     assert not other.state  # nothing changed
+
+
+def test_entry_for_no_parameter_re_saves_as_a_plain_dict_torch_loads():
+    model = torch.nn.Linear(3, 2)
+    opt = AdamBridge(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][7] = {"note": torch.tensor([1.0, 2.0]), "count": 3}  # torch keeps these
+    opt.load_state_dict(saved)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=True)["state"][7]
+    assert type(again) is dict and again["count"] == 3
+    assert torch.equal(again["note"], torch.tensor([1.0, 2.0]))

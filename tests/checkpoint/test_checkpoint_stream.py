@@ -108,7 +108,7 @@ def test_load_copies_what_another_optimizer_still_steps(precision):
 def test_two_entries_on_one_tensor_are_not_both_adopted():
     model, opt = _trained("fp32", torch.bfloat16)
     loaded = _roundtrip(opt.state_dict())
-    loaded["state"][0]["exp_avg_sq"] = loaded["state"][0]["exp_avg"]  # m and v one tensor
+    loaded["state"][0]["exp_avg"] = loaded["state"][0]["exp_avg_sq"]  # m and v one tensor
     opt2 = AdamBridge(_model(torch.bfloat16).parameters(), lr=1e-3, precision="fp32")
     opt2.load_state_dict(loaded)
     state = opt2.state[opt2.param_groups[0]["params"][0]]

@@ -116,3 +116,61 @@ def test_load_fp8_entry_missing_a_scale_names_it():
     del saved["optim"]["state"][0]["ab_exp_avg_sq_scale"]
     _refused(saved, "fp8", r"^Checkpoint of parameter 0 has fp8 moments without "
                            r"'ab_exp_avg_sq_scale'$")
+
+
+def _with(saved: dict, key: str, edit) -> dict:
+    """``saved`` with parameter 0's ``key`` replaced by ``edit(a copy of it)``."""
+    entry = dict(saved["optim"]["state"][0])
+    entry[key] = edit(entry[key].clone())
+    return {**saved, "optim": {**saved["optim"], "state": {**saved["optim"]["state"], 0: entry}}}
+
+
+def _set(value: float):
+    def edit(t):
+        t.view(-1)[7] = value
+        return t
+    return edit
+
+
+IMPOSSIBLE_VALUES = [
+    {"desc": "NaN first moment", "precision": "fp32", "key": "exp_avg", "value": float("nan"),
+     "match": r"'exp_avg' of parameter 0: holds nan \(expected finite values\)"},
+    {"desc": "inf first moment", "precision": "bf16", "key": "exp_avg", "value": float("inf"),
+     "match": r"'exp_avg' of parameter 0: holds inf"},
+    {"desc": "negative second moment", "precision": "fp32", "key": "exp_avg_sq",
+     "value": -1.0, "match": r"'exp_avg_sq' of parameter 0: holds -1.0 \(expected finite "
+                             r"values >= 0\)"},
+    {"desc": "NaN second moment", "precision": "bf16", "key": "exp_avg_sq",
+     "value": float("nan"), "match": r"'exp_avg_sq' of parameter 0: holds nan"},
+    {"desc": "NaN fp8 scale", "precision": "fp8", "key": "ab_exp_avg_scale",
+     "value": float("nan"), "match": r"'ab_exp_avg_scale' of parameter 0: holds nan"},
+    {"desc": "inf fp8 scale", "precision": "fp8", "key": "ab_exp_avg_sq_scale",
+     "value": float("inf"), "match": r"'ab_exp_avg_sq_scale' of parameter 0: holds inf"},
+    {"desc": "negative fp8 scale", "precision": "fp8", "key": "ab_exp_avg_scale",
+     "value": -0.5, "match": r"'ab_exp_avg_scale' of parameter 0: holds -0.5 \(expected "
+                             r"finite scales >= 0\)"},
+]
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE_VALUES, ids=lambda c: c["desc"])
+def test_load_impossible_moment_value_is_refused_naming_it(case):
+    model, opt = _run(case["precision"])
+    saved = _with(_saved(model, opt), case["key"], _set(case["value"]))
+    _refused(saved, case["precision"], case["match"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_load_entry_of_another_shape_with_as_many_elements_is_refused(precision):
+    model, opt = _run(precision)
+    saved = _saved(model, opt)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        if key in saved["optim"]["state"][0]:  # (fp8 saves its moments flat, under ab_)
+            saved = _with(saved, key, lambda t: t.reshape(t.shape[1], t.shape[0]))
+    _refused(saved, precision, r"parameter 0 has shape \(9, 300\), the parameter has "
+                               r"\(300, 9\)")
+
+
+def test_load_fp8_entry_whose_step_is_not_its_ab_step_names_both():
+    model, opt = _run("fp8")
+    saved = _with(_saved(model, opt), "step", lambda t: t + 2)
+    _refused(saved, "fp8", r"parameter 0 has 'step' 5 but 'ab_step' 3")

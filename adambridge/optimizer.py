@@ -767,8 +767,8 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
         already be committed in the files, the rest are queued with the old state), so a
         load would end with the loaded state and this step's mixed, not the load followed
         by the step as in sync mode."""
-        record = getattr(self._pipeline, "_record", None)
-        if self._tier is None or record is None or not record.jobs or record.failed:
+        in_flight = getattr(self._pipeline, "step_in_flight", None)  # (the distributed ones
+        if self._tier is None or in_flight is None or not in_flight():   # have no tier)
             return
         raise RuntimeError("load_state_dict() between backward() and step() with hooks on "
                            "the NVMe tier (offload_dir): this step's updates have begun and "

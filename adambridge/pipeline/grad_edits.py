@@ -110,6 +110,11 @@ class GradEditsMixin:
             self._check_writable(record, [job], "a write to p.grad")
             self._note_edit(record, job)
 
+    def changed_grads_this_step(self) -> bool:
+        """Whether the loop has already changed a gradient of this step (it is held)."""
+        record = self._record
+        return record is not None and bool(record.loop_edits)
+
     def _note_edit(self, record: StepRecord, job: Job) -> None:
         if job.speculative and job.grad_before is None:  # what the update used: finish
             job.grad_before = job.grad.clone()  # compares it and redoes the update

@@ -220,6 +220,8 @@ def _can_try_first(func: Any, args: tuple, kwargs: dict, written: list) -> bool:
         if root is None or root.host is None or view.source.shadow() is not None \
                 or view.dtype.itemsize not in _BITS or not view.dtype.is_floating_point:
             return False
+        if root.owner.changed_grads_this_step():
+            return False  # the step already waits for the loop's edits: a try saves nothing
         if id(root) in roots:
             return False  # two views of one gradient written at once: they alias
         roots.add(id(root))

@@ -164,6 +164,11 @@ class Pipeline(FactsMixin, GradEditsMixin):
     def opt(self) -> Any:
         return self._opt_ref()
 
+    def step_in_flight(self) -> bool:
+        """Whether backward has handed this step gradients that step() has not finished."""
+        record = self._record
+        return record is not None and bool(record.jobs) and not record.failed
+
     def hooks(self, p: torch.Tensor) -> bool:
         """Whether ``p`` has one of this pipeline's hooks (its gradient may be released)."""
         return id(p) in self._hooked_set

@@ -23,3 +23,10 @@ def unwrap_optimizer(optimizer: Any, who: str) -> AdamBridge:
         raise TypeError(f"{who}: the optimizer is {type(inner).__name__}, not AdamBridge; "
                         f"build it with adambridge.AdamBridge")
     return inner
+
+
+def gathers(optimizer: Any) -> bool:
+    """Whether the AdamBridge under ``optimizer`` has shard_state, whose state_dict() is a
+    collective that gathers every rank's ranges (saved with ``save_gathered`` instead)."""
+    inner = innermost(optimizer)
+    return isinstance(inner, AdamBridge) and inner.shard_group is not None

@@ -282,7 +282,8 @@ def _warm_up(spec: dict) -> None:
     opt = _optimizer(tiny, model)
     _step(model, opt)
     os.makedirs(tiny["dir"], exist_ok=True)
-    target = os.path.join(tiny["dir"], f"{spec['phase']}-{spec['optimizer']}.pt")
+    shared = os.path.join(tiny["dir"], f"{spec['phase']}-{spec['optimizer']}")  # DCP's folders
+    target = f"{shared}-{spec.get('rank', 0)}.pt"  # each rank's: two writing one file raced
     torch.save(opt.state_dict(), target)
     loaded = torch.load(target, weights_only=True, mmap=spec["path"].endswith("mmap"))
     _optimizer(tiny, model).load_state_dict(loaded)
@@ -290,7 +291,7 @@ def _warm_up(spec: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
-        folder = target[:-len(".pt")]
+        folder = shared
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
         fresh = _optimizer(tiny, model)
         osd = get_optimizer_state_dict(model, fresh)
@@ -306,14 +307,14 @@ def _warm_up(spec: dict) -> None:
         model = _model(gathered)
         opt = _optimizer(gathered, model)  # a collective: every rank warms up
         _step(model, opt)
-        opt.save_gathered(target + "-gathered" if spec.get("rank") == 0 else None)
+        opt.save_gathered(shared + "-gathered.pt" if spec.get("rank") == 0 else None)
     if spec["path"] == "shard_state_dcp" and spec["optimizer"] != "adamw":
         import torch.distributed.checkpoint as dcp
         sharded = dict(tiny, path="shard_state_dcp")
         model = _model(sharded)
         opt = _optimizer(sharded, model)  # a collective: every rank warms up
         _step(model, opt)
-        folder = target[:-len(".pt")] + "-sharded"
+        folder = shared + "-sharded"
         dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=folder)
         osd = opt.sharded_state_dict()
         dcp.load({"optim": osd}, checkpoint_id=folder)

@@ -1,4 +1,4 @@
-"""shard_state's gathered save: torch.save's file of the whole state, one tensor of it in RAM at a time.
+"""shard_state's gathered save: torch.save's file of the whole state, one tensor in RAM at a time.
 
 ``opt.state_dict()`` under shard_state gathers the whole state on every rank, so
 ``torch.save`` of it holds all of it on every rank. ``save(opt, obj, f)`` writes the same
@@ -80,7 +80,7 @@ def _agree_on(g: zero._Group, writes: bool, places: list) -> tuple:
     every rank unless exactly one rank writes and all hold the same number of pieces."""
     mine = torch.tensor([int(writes), len(places)], dtype=torch.int64, device=g.device)
     every = torch.empty(g.world * 2, dtype=torch.int64, device=g.device)
-    g.dist.all_gather_into_tensor(every, mine, group=g.group)
+    zero.all_gather(g, every, mine)
     flags, counts = every.view(g.world, 2).cpu().unbind(1)
     writers = [r for r, w in enumerate(flags.tolist()) if w]
     if len(writers) != 1:
@@ -92,7 +92,7 @@ def _agree_on(g: zero._Group, writes: bool, places: list) -> tuple:
     local = torch.tensor([[p.start, p.end] for p in places] or [[0, 0]], dtype=torch.int64,
                          device=g.device)
     gathered = torch.empty(g.world * local.numel(), dtype=torch.int64, device=g.device)
-    g.dist.all_gather_into_tensor(gathered, local.reshape(-1), group=g.group)
+    zero.all_gather(g, gathered, local.reshape(-1))
     return writers[0], gathered.view(g.world, -1, 2).cpu()
 
 

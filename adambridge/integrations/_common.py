@@ -30,3 +30,15 @@ def gathers(optimizer: Any) -> bool:
     collective that gathers every rank's ranges (saved with ``save_gathered`` instead)."""
     inner = innermost(optimizer)
     return isinstance(inner, AdamBridge) and inner.shard_group is not None
+
+
+class Gathered:
+    """A shard_state optimizer's place in a framework's checkpoint until the adapter's save,
+    run on every rank, writes it with the gathered save; ``refusal`` is the one line a
+    pickling of it by anything else raises."""
+
+    def __init__(self, opt: AdamBridge, refusal: str) -> None:
+        self.opt, self.refusal = opt, refusal
+
+    def __reduce__(self) -> Any:
+        raise TypeError(self.refusal)

@@ -48,7 +48,7 @@ from accelerate.utils import OPTIMIZER_NAME, DistributedType
 
 from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import gathers, innermost, unwrap_optimizer
+from ._common import Gathered, gathers, innermost, unwrap_optimizer
 
 _WHO = "adambridge.integrations.accelerate.attach_hooks"
 
@@ -112,20 +112,10 @@ class _Gathering:
     def __init__(self, opt: AdamBridge) -> None:
         self.opt = opt
 
-    def state_dict(self) -> "_Gathered":
-        return _Gathered(self.opt)
-
-
-class _Gathered:
-    """The optimizer file of a shard_state optimizer, written by save_gathered()."""
-
-    def __init__(self, opt: AdamBridge) -> None:
-        self.opt = opt
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a shard_state optimizer's state in accelerate's save_state is "
-                        "written by adambridge's streaming save only; call "
-                        "accelerator.save_state() on every process")
+    def state_dict(self) -> Gathered:
+        return Gathered(self.opt, "a shard_state optimizer's state in accelerate's save_state "
+                                  "is written by adambridge's streaming save only; call "
+                                  "accelerator.save_state() on every process")
 
 
 def _gathering_states(save_states: Any) -> Any:
@@ -142,13 +132,13 @@ def _streaming_save(accelerate_save: Any) -> Any:
         streams = (not safe_serialization and isinstance(f, (str, Path))
                    and _OPTIMIZER_FILE.fullmatch(Path(f).name) is not None
                    and PartialState().distributed_type != DistributedType.XLA)
-        if not streams and not isinstance(obj, _Gathered):
+        if not streams and not isinstance(obj, Gathered):
             accelerate_save(obj, f, save_on_each_node=save_on_each_node,
                             safe_serialization=safe_serialization)
             return
         state = PartialState()  # the processes accelerate's save() writes from
         writes = state.is_local_main_process if save_on_each_node else state.is_main_process
-        if isinstance(obj, _Gathered):  # a collective: every process, the writing one writes
+        if isinstance(obj, Gathered):  # a collective: every process, the writing one writes
             obj.opt.save_gathered(f if writes else None)
         elif writes:
             checkpoint.save(obj, f)

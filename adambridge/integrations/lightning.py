@@ -47,9 +47,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from .. import checkpoint
-from ..distributed import zero_gathered
 from ..optimizer import AdamBridge
-from ._common import gathers, innermost, unwrap_optimizer
+from ._common import Gathered, gathers, innermost, unwrap_optimizer
 
 _WHO = "AdamBridgeCallback"
 
@@ -116,18 +115,6 @@ def _refuse_async_settings(trainer: Any) -> None:
 # --------------------------------------------------------------------------- shard_state saves
 
 
-class _Gathered:
-    """A shard_state optimizer's entry of Lightning's checkpoint dict until the strategy's
-    save_checkpoint writes it with save_gathered (on every rank, rank 0 writing)."""
-
-    def __init__(self, opt: AdamBridge) -> None:
-        self.opt = opt
-
-    def __reduce__(self) -> Any:
-        raise TypeError(f"{_WHO}: a shard_state optimizer's state in Lightning's checkpoint "
-                        f"is written by trainer.save_checkpoint on every rank only")
-
-
 def _gather_saves(strategy: Any) -> None:
     """Make the strategy save shard_state optimizers with save_gathered: Lightning calls
     optimizer_state() and save_checkpoint() on every rank, and writes on rank 0 only."""
@@ -137,12 +124,16 @@ def _gather_saves(strategy: Any) -> None:
 
     def optimizer_state(optimizer: Any) -> Any:
         gathered = gathers(optimizer) and isinstance(strategy.checkpoint_io, AdamBridgeCheckpointIO)
-        return _Gathered(innermost(optimizer)) if gathered else own_state(optimizer)
+        if not gathered:
+            return own_state(optimizer)
+        return Gathered(innermost(optimizer), f"{_WHO}: a shard_state optimizer's state in "
+                                              f"Lightning's checkpoint is written by "
+                                              f"trainer.save_checkpoint on every rank only")
 
     def save_checkpoint(checkpoint_dict: dict, filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
         states = checkpoint_dict.get("optimizer_states", [])
-        found = [state for state in states if isinstance(state, _Gathered)]
+        found = [state for state in states if isinstance(state, Gathered)]
         if not found:
             own_save(checkpoint_dict, filepath, storage_options=storage_options)
             return
@@ -152,11 +143,12 @@ def _gather_saves(strategy: Any) -> None:
                              f"{filepath!r}{' with storage_options' if storage_options else ''}")
         opt = found[0].opt
         obj = {**checkpoint_dict, "optimizer_states": [
-            opt.sharded_state_dict() if isinstance(state, _Gathered) else state
+            opt.sharded_state_dict() if isinstance(state, Gathered) else state
             for state in states]}
         writes = strategy.is_global_zero
         if writes:
             _make_folder(filepath)
+        from ..distributed import zero_gathered  # imports torch.distributed.checkpoint
         zero_gathered.save(opt, obj, os.fspath(filepath) if writes else None)
 
     # NOTE: Lightning has no hook between building the checkpoint dict and writing it, so

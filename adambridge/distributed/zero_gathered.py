@@ -60,7 +60,8 @@ def save(opt: OptimizerDoor, obj: Any, f: Optional[Union[str, os.PathLike, IO[by
 
 def swap(obj: Any, make: Callable[[RankPiece], Any]) -> Any:
     """``obj`` with each RankPiece in dicts, lists and tuples replaced by ``make(piece)``,
-    called in the order pickling meets them (containers without one are kept as they are)."""
+    called in the walk's order, the same on every rank for the same structure (containers
+    without one are kept as they are; a RankPiece anywhere else refuses to be pickled)."""
     if isinstance(obj, RankPiece):
         return make(obj)
     if type(obj) is dict:  # (a subclass may pickle otherwise: left as it is)

@@ -660,6 +660,23 @@ class AdamBridge(ParamOwner, torch.optim.Optimizer):
                              "opt.state_dict()")
         return self._state_dict(sharded=True)
 
+    def save_gathered(self, f: Any) -> None:
+        """shard_state=True: write ``torch.save(opt.state_dict(), f)``'s file, gathering one
+        tensor of the state at a time (a collective: every rank calls it; one rank passes
+        the file or path, the others None).
+
+        ``state_dict()`` gathers the whole state on every rank; this holds at most one
+        tensor of one parameter's state beyond the steady state, on the writing rank only.
+        Load the file with ``torch.load`` and ``load_state_dict()``, on any number of ranks,
+        sharded or not (docs/multi-gpu.md).
+        """
+        if self._shard_group is None:
+            raise ValueError("save_gathered() needs AdamBridge(..., shard_state=True); without "
+                             "it every rank holds the whole state: adambridge.checkpoint."
+                             "save(opt.state_dict(), f)")
+        from .distributed import zero_gathered  # imports torch.distributed.checkpoint
+        zero_gathered.save(self, self.sharded_state_dict(), f)
+
     def _state_dict(self, sharded: bool) -> dict:
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)

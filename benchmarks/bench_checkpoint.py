@@ -62,6 +62,7 @@ PATHS = {
     "shard_state": (2, True, True, "shard_state"),
     "shard_state_mmap": (2, False, True, "shard_state"),
     "shard_state_dcp": (2, True, True, "shard_state_dcp"),
+    "shard_state_gathered": (2, True, True, "shard_state_gathered"),
     "fsdp2": (2, True, True, "fsdp2"),
     "nvme_trainer": (1, True, False, "nvme_trainer"),
     "nvme_accelerate": (1, True, False, "nvme_accelerate"),
@@ -81,6 +82,7 @@ TITLES = {
     "shard_state": "shard_state=True, 2 gloo ranks: torch.save / torch.load",
     "shard_state_mmap": "shard_state=True, 2 gloo ranks: torch.load(f, mmap=True)",
     "shard_state_dcp": "shard_state=True, 2 gloo ranks: DCP of opt.sharded_state_dict()",
+    "shard_state_gathered": "shard_state=True, 2 gloo ranks: opt.save_gathered / torch.load",
     "fsdp2": "FSDP2 (fully_shard), 2 gloo ranks: DCP get_/set_",
     "nvme_trainer": "NVMe tier: HF Trainer's optimizer and scheduler save",
     "nvme_accelerate": "NVMe tier: accelerate's save_state",
@@ -189,6 +191,11 @@ def _save(spec: dict, model, opt) -> None:
         saved = opt.state_dict()  # a collective under shard_state
         if spec["rank"] == 0:
             torch.save(saved, target)
+    elif path == "shard_state_gathered" and spec["optimizer"] != "adamw":
+        opt.save_gathered(target if spec["rank"] == 0 else None)  # a collective
+    elif path == "shard_state_gathered":  # AdamW: every rank holds the whole state
+        if spec["rank"] == 0:
+            torch.save(opt.state_dict(), target)
     elif path == "nvme_stream":
         from adambridge.checkpoint import save
         save(opt.state_dict(), target)
@@ -237,7 +244,7 @@ def _load(spec: dict, model, opt) -> None:
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     path, source = spec["path"], _file(spec)
-    if path in ("torch", "nvme", "shard_state") or path.endswith("mmap"):
+    if path in ("torch", "nvme", "shard_state", "shard_state_gathered") or path.endswith("mmap"):
         opt.load_state_dict(torch.load(source, weights_only=True, mmap=path.endswith("mmap")))
     elif path == "shard_state_dcp":  # AdamW: its own state_dict(), as it was saved
         osd = opt.state_dict() if spec["optimizer"] == "adamw" else opt.sharded_state_dict()
@@ -275,7 +282,8 @@ def _warm_up(spec: dict) -> None:
     opt = _optimizer(tiny, model)
     _step(model, opt)
     os.makedirs(tiny["dir"], exist_ok=True)
-    target = os.path.join(tiny["dir"], f"{spec['phase']}-{spec['optimizer']}.pt")
+    shared = os.path.join(tiny["dir"], f"{spec['phase']}-{spec['optimizer']}")  # DCP's folders
+    target = f"{shared}-{spec.get('rank', 0)}.pt"  # each rank's: two writing one file raced
     torch.save(opt.state_dict(), target)
     loaded = torch.load(target, weights_only=True, mmap=spec["path"].endswith("mmap"))
     _optimizer(tiny, model).load_state_dict(loaded)
@@ -283,7 +291,7 @@ def _warm_up(spec: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
-        folder = target[:-len(".pt")]
+        folder = shared
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
         fresh = _optimizer(tiny, model)
         osd = get_optimizer_state_dict(model, fresh)
@@ -294,13 +302,19 @@ def _warm_up(spec: dict) -> None:
         warm = _optimizer(framework, model)
         _step(model, warm)
         _framework_saver(framework, model, warm)()
+    if spec["path"] == "shard_state_gathered" and spec["optimizer"] != "adamw":
+        gathered = dict(tiny, path="shard_state_gathered")
+        model = _model(gathered)
+        opt = _optimizer(gathered, model)  # a collective: every rank warms up
+        _step(model, opt)
+        opt.save_gathered(shared + "-gathered.pt" if spec.get("rank") == 0 else None)
     if spec["path"] == "shard_state_dcp" and spec["optimizer"] != "adamw":
         import torch.distributed.checkpoint as dcp
         sharded = dict(tiny, path="shard_state_dcp")
         model = _model(sharded)
         opt = _optimizer(sharded, model)  # a collective: every rank warms up
         _step(model, opt)
-        folder = target[:-len(".pt")] + "-sharded"
+        folder = shared + "-sharded"
         dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=folder)
         osd = opt.sharded_state_dict()
         dcp.load({"optim": osd}, checkpoint_id=folder)

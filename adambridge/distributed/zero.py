@@ -121,6 +121,12 @@ def _offsets(sizes: list) -> tuple[list, int]:
     return offsets, at
 
 
+def all_gather(g: _Group, out: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's ``mine`` (all the same size) into ``out``, in rank order."""
+    gather = getattr(g.dist, "all_gather_single", None) or g.dist.all_gather_into_tensor
+    gather(out, mine, group=g.group)
+
+
 def exchange(g: _Group, sizes: list, local: list, device: torch.device) -> list:
     """All-gather pieces of known sizes: ``sizes[r]`` is rank r's list of (numel, dtype),
     ``local`` this rank's tensors in that order. Returns every rank's pieces (views).
@@ -136,8 +142,7 @@ def exchange(g: _Group, sizes: list, local: list, device: torch.device) -> list:
         send[offset:offset + flat.numel() * flat.element_size()].copy_(flat.view(torch.uint8))
     send = send.to(device)
     received = torch.empty(g.world * slot, dtype=torch.uint8, device=device)
-    gather = getattr(g.dist, "all_gather_single", None) or g.dist.all_gather_into_tensor
-    gather(received, send, group=g.group)
+    all_gather(g, received, send)
     pieces = []
     for rank, (offsets, _) in enumerate(layout):
         base = rank * slot

@@ -23,3 +23,22 @@ def unwrap_optimizer(optimizer: Any, who: str) -> AdamBridge:
         raise TypeError(f"{who}: the optimizer is {type(inner).__name__}, not AdamBridge; "
                         f"build it with adambridge.AdamBridge")
     return inner
+
+
+def gathers(optimizer: Any) -> bool:
+    """Whether the AdamBridge under ``optimizer`` has shard_state, whose state_dict() is a
+    collective that gathers every rank's ranges (saved with ``save_gathered`` instead)."""
+    inner = innermost(optimizer)
+    return isinstance(inner, AdamBridge) and inner.shard_group is not None
+
+
+class Gathered:
+    """A shard_state optimizer's place in a framework's checkpoint until the adapter's save,
+    run on every rank, writes it with the gathered save; ``refusal`` is the one line a
+    pickling of it by anything else raises."""
+
+    def __init__(self, opt: AdamBridge, refusal: str) -> None:
+        self.opt, self.refusal = opt, refusal
+
+    def __reduce__(self) -> Any:
+        raise TypeError(self.refusal)

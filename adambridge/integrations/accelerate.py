@@ -25,6 +25,8 @@ which holds every tensor it pickles until the end, so the NVMe tier's entries (r
 its files when pickled) are all in RAM at once. ``stream_saves(accelerator)`` (done by
 ``attach_hooks``) makes ``save_state`` write those same files with
 ``adambridge.checkpoint.save``, one tensor at a time; ``load_state`` reads them as ever.
+A shard_state optimizer's file is written by ``opt.save_gathered`` on every process (the
+main one writing), so its state is gathered one tensor at a time, not whole on each.
 
 fp16 with a GradScaler: GradScaler hands AdamBridge its inf flag, so our ``step()`` runs and
 skips itself, while accelerate counts a step as skipped only when ``step()`` was not called
@@ -39,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import accelerator as accelerator_module
 from accelerate import checkpointing
 from accelerate.state import PartialState
 from accelerate.utils import OPTIMIZER_NAME, DistributedType
 
 from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import unwrap_optimizer
+from ._common import Gathered, gathers, innermost, unwrap_optimizer
 
 _WHO = "adambridge.integrations.accelerate.attach_hooks"
 
@@ -86,16 +89,41 @@ def stream_saves(accelerator: Any) -> Any:
         # NOTE: accelerate writes each optimizer's state_dict() with its module-level save()
         # and offers no hook in between, so that one function is replaced for the duration
         # of this call; it hands every other file (and any other caller) to accelerate's.
-        accelerate_save = checkpointing.save
+        # Its save_accelerator_state, which calls state_dict() on every process, is given
+        # stand-ins for shard_state optimizers, so their state is gathered only as written.
+        accelerate_save, save_states = checkpointing.save, accelerator_module.save_accelerator_state
         checkpointing.save = _streaming_save(accelerate_save)
+        accelerator_module.save_accelerator_state = _gathering_states(save_states)
         try:
             return own(*args, **kwargs)
         finally:
             checkpointing.save = accelerate_save
+            accelerator_module.save_accelerator_state = save_states
 
     save_state.streams = True
     accelerator.save_state = save_state
     return accelerator
+
+
+class _Gathering:
+    """Stands in for a shard_state optimizer in save_accelerator_state: its state_dict()
+    is the optimizer itself, which the streaming save() writes with save_gathered()."""
+
+    def __init__(self, opt: AdamBridge) -> None:
+        self.opt = opt
+
+    def state_dict(self) -> Gathered:
+        return Gathered(self.opt, "a shard_state optimizer's state in accelerate's save_state "
+                                  "is written by adambridge's streaming save only; call "
+                                  "accelerator.save_state() on every process")
+
+
+def _gathering_states(save_states: Any) -> Any:
+    def save_accelerator_state(output_dir: Any, model_states: Any, optimizers: list,
+                               *args: Any, **kwargs: Any) -> Any:
+        stand_ins = [_Gathering(innermost(o)) if gathers(o) else o for o in optimizers]
+        return save_states(output_dir, model_states, stand_ins, *args, **kwargs)
+    return save_accelerator_state
 
 
 def _streaming_save(accelerate_save: Any) -> Any:
@@ -104,12 +132,15 @@ def _streaming_save(accelerate_save: Any) -> Any:
         streams = (not safe_serialization and isinstance(f, (str, Path))
                    and _OPTIMIZER_FILE.fullmatch(Path(f).name) is not None
                    and PartialState().distributed_type != DistributedType.XLA)
-        if not streams:
+        if not streams and not isinstance(obj, Gathered):
             accelerate_save(obj, f, save_on_each_node=save_on_each_node,
                             safe_serialization=safe_serialization)
             return
         state = PartialState()  # the processes accelerate's save() writes from
-        if state.is_local_main_process if save_on_each_node else state.is_main_process:
+        writes = state.is_local_main_process if save_on_each_node else state.is_main_process
+        if isinstance(obj, Gathered):  # a collective: every process, the writing one writes
+            obj.opt.save_gathered(f if writes else None)
+        elif writes:
             checkpoint.save(obj, f)
     return save
 

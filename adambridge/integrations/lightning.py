@@ -27,7 +27,11 @@ bytes in RAM and, for the NVMe tier, every entry read from its files as well.
 ``AdamBridgeCheckpointIO`` writes the same file with ``adambridge.checkpoint.save``, one
 tensor at a time, straight into the file (local paths; others go to the wrapped
 CheckpointIO). The callback puts it in place of the default at ``setup`` (both modes); a
-CheckpointIO of the user's own is left as it is.
+CheckpointIO of the user's own is left as it is. A shard_state optimizer (whose
+state_dict() gathers the whole state on every rank) is saved with the gathered save: the
+callback makes the strategy put a stand-in in the checkpoint dict and write it on every
+rank in step, rank 0 writing through AdamBridgeCheckpointIO, one tensor gathered at a time.
+Several ranks with a CheckpointIO of the user's own are refused at ``on_train_start``.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import unwrap_optimizer
+from ._common import Gathered, gathers, innermost, unwrap_optimizer
 
 _WHO = "AdamBridgeCallback"
 
@@ -61,12 +65,14 @@ class AdamBridgeCallback(Callback):
         strategy = trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default
             strategy.checkpoint_io = AdamBridgeCheckpointIO(strategy.checkpoint_io)
+        _gather_saves(strategy)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = [unwrap_optimizer(opt, _WHO) for opt in trainer.optimizers]
         if not optimizers:
             raise TypeError(f"{_WHO}: configure_optimizers returned no optimizer; return an "
                             f"adambridge.AdamBridge")
+        _refuse_ungathered_saves(trainer.strategy, optimizers)
         if not self.async_mode:
             return
         _refuse_async_settings(trainer)
@@ -106,6 +112,68 @@ def _refuse_async_settings(trainer: Any) -> None:
                          f"the hooks run); use async_mode=False")
 
 
+# --------------------------------------------------------------------------- shard_state saves
+
+
+def _gather_saves(strategy: Any) -> None:
+    """Make the strategy save shard_state optimizers with save_gathered: Lightning calls
+    optimizer_state() and save_checkpoint() on every rank, and writes on rank 0 only."""
+    own_state, own_save = strategy.optimizer_state, strategy.save_checkpoint
+    if getattr(own_save, "gathers", False):
+        return
+
+    def optimizer_state(optimizer: Any) -> Any:
+        gathered = gathers(optimizer) and isinstance(strategy.checkpoint_io, AdamBridgeCheckpointIO)
+        if not gathered:
+            return own_state(optimizer)
+        return Gathered(innermost(optimizer), f"{_WHO}: a shard_state optimizer's state in "
+                                              f"Lightning's checkpoint is written by "
+                                              f"trainer.save_checkpoint on every rank only")
+
+    def save_checkpoint(checkpoint_dict: dict, filepath: Any,
+                        storage_options: Optional[Any] = None) -> None:
+        states = checkpoint_dict.get("optimizer_states", [])
+        found = [state for state in states if isinstance(state, Gathered)]
+        if not found:
+            own_save(checkpoint_dict, filepath, storage_options=storage_options)
+            return
+        if len(found) > 1 or not strategy.checkpoint_io.streams(filepath, storage_options):
+            raise ValueError(f"{_WHO}: shard_state's gathered save writes one optimizer to a "
+                             f"local path; got {len(found)} shard_state optimizers and path "
+                             f"{filepath!r}{' with storage_options' if storage_options else ''}")
+        opt = found[0].opt
+        obj = {**checkpoint_dict, "optimizer_states": [
+            opt.sharded_state_dict() if isinstance(state, Gathered) else state
+            for state in states]}
+        writes = strategy.is_global_zero
+        if writes:
+            _make_folder(filepath)
+        from ..distributed import zero_gathered  # imports torch.distributed.checkpoint
+        zero_gathered.save(opt, obj, os.fspath(filepath) if writes else None)
+
+    # NOTE: Lightning has no hook between building the checkpoint dict and writing it, so
+    # the strategy's two methods are replaced on this strategy only.
+    save_checkpoint.gathers = True
+    strategy.optimizer_state, strategy.save_checkpoint = optimizer_state, save_checkpoint
+
+
+def _refuse_ungathered_saves(strategy: Any, optimizers: list) -> None:
+    """shard_state on several ranks with a CheckpointIO that is not ours: Lightning would call
+    it on rank 0 only with the whole state gathered on every rank."""
+    if strategy.world_size > 1 and any(o.shard_group is not None for o in optimizers) and \
+            not isinstance(strategy.checkpoint_io, AdamBridgeCheckpointIO):
+        raise ValueError(f"{_WHO}: shard_state on {strategy.world_size} ranks is saved with "
+                         f"its gathered save, which {type(strategy.checkpoint_io).__name__} "
+                         f"cannot run on every rank; use adambridge.integrations.lightning."
+                         f"AdamBridgeCheckpointIO (the callback's default)")
+
+
+def _make_folder(path: Any) -> None:
+    folder = os.path.dirname(os.fspath(path))
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+
+
 class AdamBridgeCheckpointIO(CheckpointIO):
     """Lightning's checkpoint file written with ``adambridge.checkpoint.save``: one tensor
     at a time, straight into the file, instead of the whole file built in memory first.
@@ -120,13 +188,15 @@ class AdamBridgeCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint_dict: dict, path: Any,
                         storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+        if not self.streams(path, storage_options):
             self.inner.save_checkpoint(checkpoint_dict, path, storage_options=storage_options)
             return
-        folder = os.path.dirname(os.fspath(path))
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+        _make_folder(path)
         checkpoint.save(checkpoint_dict, os.fspath(path))
+
+    def streams(self, path: Any, storage_options: Optional[Any] = None) -> bool:
+        """Whether a save to ``path`` is written here (a local path, no storage_options)."""
+        return storage_options is None and isinstance(get_filesystem(path), LocalFileSystem)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict:
         return self.inner.load_checkpoint(path, *args, **kwargs)

@@ -35,7 +35,9 @@ Saving: the Trainer writes the optimizer with ``torch.save(optimizer.state_dict(
 which holds every tensor it pickles until the end, so the NVMe tier's entries (read from
 its files when pickled) are all in RAM at once. ``stream_saves(trainer)`` makes the
 Trainer write that same file with ``adambridge.checkpoint.save``, one tensor at a time;
-``resume_from_checkpoint`` loads it with the Trainer's own ``torch.load``.
+``resume_from_checkpoint`` loads it with the Trainer's own ``torch.load``. Under
+shard_state every rank calls ``opt.save_gathered`` and the saving process writes: one
+tensor of the state is gathered at a time instead of the whole state on every rank.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from transformers import trainer as hf_trainer
 
 from .. import checkpoint
 from ..optimizer import AdamBridge
-from ._common import innermost, unwrap_optimizer
+from ._common import gathers, innermost, unwrap_optimizer
 
 _WHO = "AdamBridgeCallback"
 # TrainingArguments.optim values that mean plain AdamW: the ones AdamBridge stands in for.
@@ -79,7 +81,8 @@ def stream_saves(trainer: Trainer) -> Trainer:
     """Make ``trainer`` write its optimizer checkpoint with ``adambridge.checkpoint.save``.
 
     The file, its name and its loading are the Trainer's own; only the writing streams, so
-    saving the NVMe tier holds one tensor of its state instead of all of it. Set-ups where
+    saving the NVMe tier holds one tensor of its state instead of all of it (shard_state:
+    ``opt.save_gathered`` on every rank, the saving process writing). Set-ups where
     the Trainer does not save with ``torch.save`` (DeepSpeed, FSDP, XLA, SageMaker MP) keep
     the Trainer's save. Returns ``trainer``.
     """
@@ -94,11 +97,12 @@ def stream_saves(trainer: Trainer) -> Trainer:
         if not _saves_with_torch_save(trainer):
             own(output_dir)
             return
-        if trainer.args.should_save or _gathers(trainer.optimizer):
-            state = trainer.optimizer.state_dict()  # shard_state: a collective, every rank
-            if trainer.args.should_save:
-                checkpoint.save(state, os.path.join(output_dir, hf_trainer.OPTIMIZER_NAME))
-            del state
+        path = os.path.join(output_dir, hf_trainer.OPTIMIZER_NAME)
+        if gathers(trainer.optimizer):  # a collective: every rank, the saving one writes
+            innermost(trainer.optimizer).save_gathered(path if trainer.args.should_save
+                                                       else None)
+        elif trainer.args.should_save:
+            checkpoint.save(trainer.optimizer.state_dict(), path)
         if trainer.args.should_save:
             with warnings.catch_warnings(record=True) as caught:
                 torch.save(trainer.lr_scheduler.state_dict(),
@@ -113,12 +117,6 @@ def stream_saves(trainer: Trainer) -> Trainer:
         if isinstance(callback, AdamBridgeCallback):
             callback.saves_stream = True
     return trainer
-
-
-def _gathers(optimizer: Any) -> bool:
-    """Whether state_dict() is a collective: shard_state gathers every rank's ranges."""
-    inner = innermost(optimizer)
-    return isinstance(inner, AdamBridge) and inner.shard_group is not None
 
 
 def _saves_with_torch_save(trainer: Trainer) -> bool:

@@ -7,6 +7,8 @@ the ranks must stay identical (each saw its own share of the data).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -53,8 +55,30 @@ def test_trainer_with_shard_state_saves_streamed_and_resumes_bit_for_bit(tmp_pat
         whole, resumed = result["whole"], result["resumed"]
         _assert_same(dict(params=resumed["params"], state=resumed["state"]),
                      dict(params=whole["params"], state=whole["state"]))
+        assert result["gathered_saves"] == [result is results[0]] * 2  # steps 2 and 4
         assert result["unstreamed"]["refused"] == (
             "AdamBridgeCallback: the Trainer saves the optimizer on one process and "
             "shard_state's state_dict() gathers from every rank, so its first save would "
             "hang; call adambridge.integrations.transformers.stream_saves(trainer) before "
             "train()")
+
+
+def test_accelerate_with_shard_state_saves_gathered_and_resumes_bit_for_bit(tmp_path):
+    # save_state calls state_dict() on every process, which gathered the whole state on each;
+    # the optimizer file is now written by save_gathered (the main process writing).
+    results = ranks.launch("accelerate_shard_state", 2, tmp_path)
+    for rank, result in enumerate(results):
+        _assert_same(result["resumed"], result["whole"])
+        assert result["gathered_saves"] == [rank == 0]
+
+
+def test_lightning_with_shard_state_saves_gathered_and_resumes_bit_for_bit(tmp_path):
+    pytest.importorskip("lightning", reason="needs lightning (test extra)")
+    results = ranks.launch("lightning_shard_state", 2, tmp_path)
+    for rank, result in enumerate(results):
+        _assert_same(result["resumed"], result["whole"])
+        assert result["gathered_saves"] == [rank == 0] * 2  # steps 2 and 4
+        assert re.fullmatch(r"AdamBridgeCallback: shard_state on 2 ranks is saved with its "
+                            r"gathered save, which OwnIO cannot run on every rank; "
+                            r"use adambridge\.integrations\.lightning\.AdamBridgeCheckpointIO "
+                            r"\(the callback's default\)", result["own_io"]["refused"])

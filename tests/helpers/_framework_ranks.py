@@ -127,6 +127,20 @@ def trainer_ranks(rank: int, out_dir: str) -> dict:
     return {mode: _trainer_run(mode, out_dir) for mode in ("sync", "async")}
 
 
+def _count_gathered_saves() -> list:
+    """Records the gathered saves in this rank's process (whether this rank wrote, one
+    element a save), so a test sees that a framework's save went through it."""
+    from adambridge.distributed import zero_gathered
+    calls, own = [], zero_gathered.save
+
+    def save(opt, obj, f):
+        calls.append(f is not None)
+        return own(opt, obj, f)
+
+    zero_gathered.save = save
+    return calls
+
+
 def _shard_state_run(out_dir: str, streamed: bool, resume: bool = False) -> dict:
     """shard_state=True under the Trainer: 4 steps, a checkpoint every 2, or a resume from
     step 2; the gathered state_dict() (a collective) and the parameters at the end."""
@@ -155,10 +169,116 @@ def _shard_state_run(out_dir: str, streamed: bool, resume: bool = False) -> dict
 
 def trainer_shard_state_ranks(rank: int, out_dir: str) -> dict:
     folder = os.path.join(out_dir, "run")
-    return dict(whole=_shard_state_run(folder, streamed=True),
+    calls = _count_gathered_saves()
+    whole = _shard_state_run(folder, streamed=True)
+    return dict(whole=whole, gathered_saves=list(calls),
                 resumed=_shard_state_run(folder, streamed=True, resume=True),
                 unstreamed=_shard_state_run(os.path.join(out_dir, "plain"), streamed=False))
 
 
+# --------------------------------------------------------------------------- shard_state saves
+
+
+def _accelerate_shard_state_run(folder: str, resume: bool) -> dict:
+    """shard_state under accelerate: 4 steps with save_state after 2, or load_state and the
+    last 2; each rank its own seeded data."""
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+    from adambridge import AdamBridge
+    from adambridge.integrations.accelerate import stream_saves
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="bf16", shard_state=True)
+    model, opt = accelerator.prepare(model, opt)
+    stream_saves(accelerator)
+    if resume:
+        accelerator.load_state(folder)
+    for step in range(2, 4) if resume else range(4):
+        g = torch.Generator().manual_seed(10 * step + accelerator.process_index)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            accelerator.save_state(folder)
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                state=opt.optimizer.state_dict()["state"])
+
+
+def accelerate_shard_state_ranks(rank: int, out_dir: str) -> dict:
+    folder = os.path.join(out_dir, "state")
+    calls = _count_gathered_saves()
+    whole = _accelerate_shard_state_run(folder, resume=False)
+    return dict(whole=whole, gathered_saves=list(calls),
+                resumed=_accelerate_shard_state_run(folder, resume=True))
+
+
+def _lightning_shard_state_run(out_dir: str, resume: bool, io=None) -> dict:
+    """shard_state under Lightning's DDP on the ranks this process is one of: 4 steps with a
+    checkpoint every 2, or a fit from the step-2 checkpoint."""
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from adambridge.integrations.lightning import AdamBridgeCallback
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Tanh(),
+                                           torch.nn.Linear(300, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            from adambridge import AdamBridge
+            return AdamBridge(self.parameters(), lr=1e-2, precision="bf16", shard_state=True)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            # 2 batches a rank an epoch: the step-2 checkpoint ends an epoch, the one point
+            # Lightning itself resumes exactly with a plain DataLoader
+            data = torch.utils.data.TensorDataset(torch.randn(8, 16, generator=g),
+                                                  torch.randn(8, 4, generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=2)
+
+    module = Module()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        plugins=[io] if io is not None else None,
+        callbacks=[AdamBridgeCallback(async_mode=False),
+                   ModelCheckpoint(dirpath=out_dir, every_n_train_steps=2, save_top_k=-1)])
+    try:
+        trainer.fit(module, ckpt_path=os.path.join(out_dir, "epoch=0-step=2.ckpt")
+                    if resume else None)
+    except ValueError as refused:
+        return dict(refused=str(refused))
+    opt = trainer.optimizers[0]
+    return dict(params=[p.detach().clone() for p in module.parameters()],
+                state=opt.state_dict()["state"])
+
+
+def lightning_shard_state_ranks(rank: int, out_dir: str) -> dict:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class OwnIO(TorchCheckpointIO):
+        """A CheckpointIO of the user's own (the callback replaces only the default)."""
+
+    folder = os.path.join(out_dir, "run")
+    calls = _count_gathered_saves()
+    whole = _lightning_shard_state_run(folder, resume=False)
+    return dict(whole=whole, gathered_saves=list(calls),
+                resumed=_lightning_shard_state_run(folder, resume=True),
+                own_io=_lightning_shard_state_run(os.path.join(out_dir, "own"), resume=False,
+                                                  io=OwnIO()))
+
+
 SCENARIOS = {"accelerate": accelerate_ranks, "trainer": trainer_ranks,
-             "trainer_shard_state": trainer_shard_state_ranks}
+             "trainer_shard_state": trainer_shard_state_ranks,
+             "accelerate_shard_state": accelerate_shard_state_ranks,
+             "lightning_shard_state": lightning_shard_state_ranks}

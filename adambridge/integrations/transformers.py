@@ -126,8 +126,10 @@ def _saves_with_torch_save(trainer: Trainer) -> bool:
 
 
 def _saves_optimizer(args: Any) -> bool:
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    return strategy != "no" and not args.save_only_model
+    # (getattr: arguments made by hand, as a stand-in for TrainingArguments, may lack them)
+    strategy = getattr(args, "save_strategy", "no")
+    return str(getattr(strategy, "value", strategy)) != "no" and \
+        not getattr(args, "save_only_model", False)
 
 
 def _check_unstreamed_saves(opt: AdamBridge, args: Any) -> None:

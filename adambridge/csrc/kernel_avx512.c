@@ -415,10 +415,11 @@ AB_INLINE void avx512_fp8_amax(const float *mbuf, const float *sbuf, int64_t n, 
         ab_fp8_elem_amax(mbuf[j], sbuf[j], amax_m, amax_s);
 }
 
-/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. */
+/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. finite: every m
+ * and s of the block is finite (and s >= +0), as the block maxima showed. */
 AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf, __m512 vinv_m,
-                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, __m512i *cm_out,
-                                __m512i *cv_out)
+                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, int finite,
+                                __m512i *cm_out, __m512i *cv_out)
 {
     __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
     __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
@@ -434,26 +435,28 @@ AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf,
     }
     /* x_m = |m| * inv_m; x_v = s * inv_v */
     __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
-                                   AB_E4M3_MBITS, sr, rnd_m);
-    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+                                   AB_E4M3_MBITS, sr, finite, rnd_m);
+    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, finite,
+                                rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
-     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
-     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
-     * negative NaNs are above) */
-    __mmask16 neg = _mm512_cmplt_epi32_mask(
-        _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
-        _mm512_set1_epi32((int)0xff7fffffu));
+     * finite (only a non-finite m gets the NaN code): in a finite block that is m < 0; else
+     * as_u32(m) in (0x80000000, 0xff800000), that is as_i32(m) - 1 < as_i32(0xff7fffff)
+     * signed (-0 wraps to INT_MAX; -inf and the negative NaNs are above) */
+    __mmask16 neg = finite ? _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ)
+                           : _mm512_cmplt_epi32_mask(
+                                 _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
+                                 _mm512_set1_epi32((int)0xff7fffffu));
     *cm_out = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
 }
 
 /* Encode 16 elements of a block (lanes k) from the kept m and s. */
 AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
                                       const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
-                                      __m512i idx, int sr, __mmask16 k, int full)
+                                      __m512i idx, int sr, int finite, __mmask16 k, int full)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     __m512i cm, cv;
-    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, &cm, &cv);
+    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite, &cm, &cv);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
 }
@@ -471,15 +474,35 @@ AB_INLINE __m512i avx512_pack_codes64(__m512i c0, __m512i c1, __m512i c2, __m512
 /* Encode 64 elements of a block from j, one 64-byte store per stream. */
 AB_INLINE void avx512_fp8_encode64(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
                                    const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
-                                   __m512i idx, int sr)
+                                   __m512i idx, int sr, int finite)
 {
     __m512i cm[4], cv[4];
     for (int q = 0; q < 4; q++)
         avx512_fp8_codes(j + 16 * q, mbuf, sbuf, vinv_m, vinv_v, kh,
-                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, &cm[q], &cv[q]);
+                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, finite, &cm[q],
+                         &cv[q]);
     _mm512_storeu_si512((uint8_t *)t->exp_avg + b0 + j, avx512_pack_codes64(cm[0], cm[1], cm[2], cm[3]));
     _mm512_storeu_si512((uint8_t *)t->exp_avg_sq + b0 + j,
                         avx512_pack_codes64(cv[0], cv[1], cv[2], cv[3]));
+}
+
+/* Pass 2 of a block of n <= 128 elements: encode the kept m and s. */
+AB_INLINE void avx512_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, const float *mbuf,
+                                const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                int sr, int finite)
+{
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
+    }
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite, k, full);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    }
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -498,25 +521,18 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
         avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
     uint32_t bits_m = _mm512_reduce_max_epu32(vmax_m), bits_s = _mm512_reduce_max_epu32(vmax_s);
     float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
-    if (bits_m >= AVX512_FP8_NONFINITE || bits_s >= AVX512_FP8_NONFINITE)
+    int finite = bits_m < AVX512_FP8_NONFINITE && bits_s < AVX512_FP8_NONFINITE;
+    if (!finite)
         avx512_fp8_amax(mbuf, sbuf, n, &amax_m, &amax_s);     /* over the finite values only */
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
-    int64_t j = 0;
-    for (; j + 64 <= n; j += 64) {
-        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr);
-        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
-    }
-    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
-        int full = j + 16 <= n;
-        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, k, full);
-        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
-    }
+    if (finite)
+        avx512_fp8_pass2(t, b0, n, mbuf, sbuf, vinv_m, vinv_v, kh, sr, 1);
+    else
+        avx512_fp8_pass2(t, b0, n, mbuf, sbuf, vinv_m, vinv_v, kh, sr, 0);
 }
 
 /* Whether the block must take the scalar path: 256 * scale_m overflows (see
@@ -534,14 +550,20 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
     avx512_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    /* NOTE: the blocks read the tensor's fields from a copy whose address never escapes:
+     * through `t`, every store of a code (a byte store, which may alias anything) made the
+     * compiler reload the pointers, about one scalar instruction per element */
+    const ab_tensor local = *t;
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
-                            AB_BLOCK, ab_dtype_size(G), 1);
-        if (avx512_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
+        ab_prefetch_streams(local.param, local.grad, local.exp_avg, local.exp_avg_sq,
+                            b0 + AB_PREFETCH, AB_BLOCK, ab_dtype_size(G), 1);
+        if (avx512_fp8_scale_odd(local.exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
+        else if (n == AB_BLOCK)
+            avx512_fp8_block(&local, &h, b0, AB_BLOCK, kh, G, O, sr, nt);
         else
-            avx512_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+            avx512_fp8_block(&local, &h, b0, n, kh, G, O, sr, nt);
     }
 }
 

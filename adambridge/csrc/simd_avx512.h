@@ -136,8 +136,9 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
  * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
  * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
  * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
- * kept lowest bit (nearest even). */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i rnd)
+ * kept lowest bit (nearest even). finite: every x is finite, so the min is a no-op (x is at
+ * most max * (1 + 2^-22), whose pattern is far below the NaN code's) and is left out. */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, int finite, __m512i rnd)
 {
     const int drop = 23 - mbits;
     __m512i b;
@@ -150,7 +151,8 @@ AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m51
     } else {
         b = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(ab_fp8_to_f32_grid(emin))));
     }
-    b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
+    if (!finite)
+        b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, drop), _mm512_set1_epi32(1));
         rnd = _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (drop - 1)) - 1));

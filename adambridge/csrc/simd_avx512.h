@@ -74,12 +74,15 @@ AB_INLINE __m512 avx512_load_grad(const void *g, int64_t i, int dtype, __mmask16
     return avx512_half_to_f32(avx512_load_u16((const uint16_t *)g + i, k, full), dtype);
 }
 
-/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. The kept lowest
+ * bit is tested into a mask and added under it: one uop where a shift and an and took two, and
+ * shifts have the fewest ports. */
 AB_INLINE __m512i avx512_bf16_rne(__m512 x)
 {
     __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
+    u = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+    u = _mm512_mask_add_epi32(u, odd, u, _mm512_set1_epi32(1));
     return _mm512_srli_epi32(u, 16);
 }
 
@@ -111,16 +114,26 @@ AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int n
  * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
  * and h * (256 * scale) round the same product once. The E5M2 codes with E == 31 are fp16
  * inf and NaN, as in the scalar decode; the E4M3 NaN code is selected separately. */
+/* 16 bytes -> 16 u16 lanes holding c << 8: one byte shuffle of both 128-bit lanes, where a
+ * zero-extend and a shift took two uops. */
+AB_INLINE __m256i avx512_u8_to_high16(__m128i c)
+{
+    const __m256i high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,
+                                          -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
+                                          -1, 15);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(c), high);
+}
+
 AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
 {
-    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
+    return _mm512_cvtph_ps(avx512_u8_to_high16(c));
 }
 
 /* E4M3 / 256 for codes other than the NaN code (see avx512_e4m3_decode_div256). */
 AB_INLINE __m512 avx512_e4m3_decode_div256_finite(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
-    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
+    __m256i h = _mm256_srai_epi16(avx512_u8_to_high16(c), 1);
     return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
 }
 

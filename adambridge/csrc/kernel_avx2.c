@@ -410,9 +410,10 @@ AB_INLINE int avx2_fp8_amax(__m256i vmax_m, __m256i vmax_s, float *amax_m, float
     return bm < AVX2_FP8_NONFINITE && bs < AVX2_FP8_NONFINITE;
 }
 
-/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes. */
-AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, __m256i *cm_out,
-                               __m256i *cv_out)
+/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes.
+ * finite: every m and s of the block is finite (and s >= +0), as the block maxima showed. */
+AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite,
+                               __m256i *cm_out, __m256i *cv_out)
 {
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
@@ -427,19 +428,23 @@ AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int s
     }
     /* x_m = |m| * inv_m; x_v = s * inv_v */
     __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
-                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
-    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, finite, rnd_m);
+    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, finite,
+                              rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
-     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
-     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
-     * negative NaNs are above), one subtract and one compare */
-    __m256i neg = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)0xff7fffffu),
-                                     _mm256_sub_epi32(_mm256_castps_si256(m), _mm256_set1_epi32(1)));
+     * finite (only a non-finite m gets the NaN code): in a finite block that is m < 0; else
+     * as_u32(m) in (0x80000000, 0xff800000), that is as_i32(m) - 1 < as_i32(0xff7fffff)
+     * signed (-0 wraps to INT_MAX; -inf and the negative NaNs are above), one subtract and
+     * one compare */
+    __m256i neg = finite ? _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ))
+                         : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)0xff7fffffu),
+                                              _mm256_sub_epi32(_mm256_castps_si256(m),
+                                                               _mm256_set1_epi32(1)));
     *cm_out = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
 }
 
 /* Pass 2 on 8 elements j..j+7: encode m and s, store the codes. */
-AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite)
 {
     const __m256i pick_m = _mm256_setr_epi8(
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -448,7 +453,7 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
         -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
         -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
     __m256i cm, cv;
-    avx2_fp8_codes8(b, j, kh, sr, &cm, &cv);
+    avx2_fp8_codes8(b, j, kh, sr, finite, &cm, &cv);
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -466,15 +471,27 @@ AB_INLINE __m256i avx2_pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i 
 }
 
 /* Pass 2 on 32 elements j..j+31: encode m and s, one 32-byte store each. */
-AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite)
 {
     __m256i cm0, cv0, cm1, cv1, cm2, cv2, cm3, cv3;
-    avx2_fp8_codes8(b, j, kh, sr, &cm0, &cv0);
-    avx2_fp8_codes8(b, j + 8, kh, sr, &cm1, &cv1);
-    avx2_fp8_codes8(b, j + 16, kh, sr, &cm2, &cv2);
-    avx2_fp8_codes8(b, j + 24, kh, sr, &cm3, &cv3);
+    avx2_fp8_codes8(b, j, kh, sr, finite, &cm0, &cv0);
+    avx2_fp8_codes8(b, j + 8, kh, sr, finite, &cm1, &cv1);
+    avx2_fp8_codes8(b, j + 16, kh, sr, finite, &cm2, &cv2);
+    avx2_fp8_codes8(b, j + 24, kh, sr, finite, &cm3, &cv3);
     _mm256_storeu_si256((__m256i *)(b->qm + j), avx2_pack_codes32(cm0, cm1, cm2, cm3));
     _mm256_storeu_si256((__m256i *)(b->qv + j), avx2_pack_codes32(cv0, cv1, cv2, cv3));
+}
+
+/* Pass 2 on the whole multiples of 8 elements of a block: encode, store the codes; returns
+ * how many it did. */
+AB_INLINE int64_t avx2_fp8_pass2(avx2_fp8_pending *b, int64_t n, __m256i kh, int sr, int finite)
+{
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        avx2_fp8_encode32(b, j, kh, sr, finite);
+    for (; j + 8 <= n; j += 8)
+        avx2_fp8_encode8(b, j, kh, sr, finite);
+    return j;
 }
 
 /* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;
@@ -496,7 +513,8 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     for (; j < n; j++)                                 /* tail: the scalar lines */
         sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
     float amax_m, amax_s;
-    if (avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s)) {
+    int finite = avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s);   /* the vector part's */
+    if (finite) {
         for (j = nvec; j < n; j++)                     /* the tail's finite values */
             ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
     } else {                                           /* a non-finite value: all again */
@@ -509,10 +527,7 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
                                            AVX2_IOTA)};
     avx2_fp8_rescale(&b, scale_m, scale_v, amax_m, amax_s);
     float inv_m = _mm256_cvtss_f32(b.inv_m), inv_v = _mm256_cvtss_f32(b.inv_v);
-    for (j = 0; j + 32 <= n; j += 32)
-        avx2_fp8_encode32(&b, j, kh, sr);
-    for (; j + 8 <= n; j += 8)
-        avx2_fp8_encode8(&b, j, kh, sr);
+    j = finite ? avx2_fp8_pass2(&b, n, kh, sr, 1) : avx2_fp8_pass2(&b, n, kh, sr, 0);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
         ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
@@ -526,14 +541,20 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     avx2_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    /* NOTE: the blocks read the tensor's fields from a copy whose address never escapes:
+     * through `t`, every store of a code (a byte store, which may alias anything) made the
+     * compiler reload the pointers; full blocks get a constant length */
+    const ab_tensor local = *t;
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
-        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
-                            AB_BLOCK, ab_dtype_size(G), 1);
+        ab_prefetch_streams(local.param, local.grad, local.exp_avg, local.exp_avg_sq,
+                            b0 + AB_PREFETCH, AB_BLOCK, ab_dtype_size(G), 1);
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        if (avx2_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
+        if (avx2_fp8_scale_odd(local.exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
+        else if (n == AB_BLOCK)
+            avx2_fp8_block(&local, &h, b0, AB_BLOCK, kh, G, O, sr, nt);
         else
-            avx2_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+            avx2_fp8_block(&local, &h, b0, n, kh, G, O, sr, nt);
     }
 }
 

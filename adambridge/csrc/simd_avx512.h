@@ -150,12 +150,20 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
  * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
  * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
  * kept lowest bit (nearest even). finite: every x is finite, so the min is a no-op (x is at
- * most max * (1 + 2^-22), whose pattern is far below the NaN code's) and is left out. */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, int finite, __m512i rnd)
+ * most max * (1 + 2^-22), whose pattern is far below the NaN code's) and is left out. wide:
+ * no x is below 2^emin and an E5M2 x comes already multiplied by 2^(-126-emin) (see
+ * avx512_fp8_wide in kernel_avx512.c). */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, int finite, int wide,
+                                    __m512i rnd)
 {
     const int drop = 23 - mbits;
     __m512i b;
-    if (mbits == AB_E4M3_MBITS) {
+    if (wide && mbits == AB_E4M3_MBITS) {
+        /* normal = as_u32(x) - ((126 + emin) << 23), the right candidate for x >= 2^emin */
+        b = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32((126 + emin) << 23));
+    } else if (wide) {
+        b = _mm512_castps_si512(x);                    /* x * 2^(-126-emin), done by the caller */
+    } else if (mbits == AB_E4M3_MBITS) {
         /* no subnormal product (codecs.h): max(small, normal) */
         __m512 y = _mm512_add_ps(x, _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
         __m512i small = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32((127 + emin) << 23));

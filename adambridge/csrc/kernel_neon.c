@@ -157,13 +157,19 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
  * (7 - mbits) (SR) or 2^(22-mbits) - 1 + the kept lowest bit (nearest even). The shifts
  * are by constants at every use (the function is always inlined). finite: every x is finite,
  * so the min is a no-op (x is at most max * (1 + 2^-22), whose pattern is far below the NaN
- * code's) and is left out. */
+ * code's) and is left out. wide: no x is below 2^emin and an E5M2 x comes already multiplied by
+ * 2^(-126-emin) (see avx512_fp8_wide in kernel_avx512.c). */
 AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, int finite,
-                                     uint32x4_t r16)
+                                     int wide, uint32x4_t r16)
 {
     const int drop = 23 - mbits;
     uint32x4_t b;
-    if (mbits == AB_E4M3_MBITS) {
+    if (wide && mbits == AB_E4M3_MBITS) {
+        /* normal = as_u32(x) - ((126 + emin) << 23), the right candidate for x >= 2^emin */
+        b = vsubq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32((uint32_t)(126 + emin) << 23));
+    } else if (wide) {
+        b = vreinterpretq_u32_f32(x);                  /* x * 2^(-126-emin), done by the caller */
+    } else if (mbits == AB_E4M3_MBITS) {
         /* no subnormal product (codecs.h: Arm has no assist, but the bits must match) */
         float32x4_t y = vaddq_f32(x, vdupq_n_f32(ab_as_f32((uint32_t)(127 + emin) << 23)));
         int32x4_t small = vsubq_s32(vreinterpretq_s32_f32(y), vdupq_n_s32((127 + emin) << 23));
@@ -256,10 +262,12 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
  * codes; returns how many it did. finite: every m and s of those is finite (and s >= +0). */
 AB_INLINE int64_t neon_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, const float *mbuf,
                                  const float *sbuf, float inv_m, float inv_v, uint32x4_t kh,
-                                 int sr, int finite)
+                                 int sr, int finite, int wide)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
-    float32x4_t vinv_m = vdupq_n_f32(inv_m), vinv_v = vdupq_n_f32(inv_v);
+    /* wide: x_v = s * (inv_v * 2^-112), see avx512_fp8_wide */
+    float32x4_t vinv_m = vdupq_n_f32(inv_m);
+    float32x4_t vinv_v = vdupq_n_f32(wide ? inv_v * ab_fp8_to_f32_grid(AB_E5M2_EMIN) : inv_v);
     static const uint32_t iota[4] = {0, 1, 2, 3};
     uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)(t->offset + b0)), vld1q_u32(iota));
     int64_t j = 0;
@@ -269,9 +277,10 @@ AB_INLINE int64_t neon_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, cons
         idx = vaddq_u32(idx, vdupq_n_u32(4));
         /* x_m = |m| * inv_m; x_v = s * inv_v */
         uint32x4_t cm = neon_fp8_encode(vmulq_f32(neon_abs(m), vinv_m), AB_E4M3_EMIN,
-                                        AB_E4M3_MBITS, sr, finite, vandq_u32(r, vdupq_n_u32(0xffff)));
+                                        AB_E4M3_MBITS, sr, finite, wide,
+                                        vandq_u32(r, vdupq_n_u32(0xffff)));
         uint32x4_t cv = neon_fp8_encode(vmulq_f32(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
-                                        finite, vshrq_n_u32(r, 16));
+                                        finite, wide, vshrq_n_u32(r, 16));
         /* sign bit when m < 0 and the code is not the NaN code (in a finite block: m < 0) */
         uint32x4_t neg = vcltq_f32(m, vdupq_n_f32(0.0f));
         if (!finite)
@@ -281,6 +290,16 @@ AB_INLINE int64_t neon_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, cons
         neon_store_u8x4(qv + j, cv);
     }
     return j;
+}
+
+/* Whether a finite block is wide (see avx512_fp8_wide in kernel_avx512.c): every x_m >= 2^-6,
+ * every x_v > 2^-14 and inv_v >= 2^-14, from the pattern minima of |m| and s. */
+AB_INLINE int neon_fp8_wide(uint32x4_t vmin_m, uint32x4_t vmin_s, float inv_m, float inv_v)
+{
+    float tiny_m = ab_as_f32((uint32_t)(127 + AB_E4M3_EMIN) << 23);   /* 2^-6 */
+    float tiny_v = ab_as_f32((uint32_t)(127 + AB_E5M2_EMIN) << 23);   /* 2^-14 */
+    return ab_as_f32(vminvq_u32(vmin_m)) * inv_m >= tiny_m &&
+           ab_as_f32(vminvq_u32(vmin_s)) * inv_v > tiny_v && inv_v >= tiny_v;
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -295,6 +314,7 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     float32x4_t sm = vdupq_n_f32(*scale_m), sv = vdupq_n_f32(*scale_v);
     uint32x4_t vmax_m = vdupq_n_u32(0), vmax_s = vdupq_n_u32(0);
+    uint32x4_t vmin_m = vdupq_n_u32(0xffffffffu), vmin_s = vdupq_n_u32(0xffffffffu);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         int64_t i = b0 + j;
@@ -309,8 +329,11 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         vst1q_f32(pp + i, p);
         neon_store_out(t->out, i, p, O);
         /* amax_m = max |m|; amax_s = max s, as patterns (see the NOTE above) */
-        vmax_m = vmaxq_u32(vmax_m, vreinterpretq_u32_f32(neon_abs(m)));
-        vmax_s = vmaxq_u32(vmax_s, vreinterpretq_u32_f32(s));
+        uint32x4_t am = vreinterpretq_u32_f32(neon_abs(m)), as = vreinterpretq_u32_f32(s);
+        vmax_m = vmaxq_u32(vmax_m, am);
+        vmax_s = vmaxq_u32(vmax_s, as);
+        vmin_m = vminq_u32(vmin_m, am);                /* and the minima (see neon_fp8_wide) */
+        vmin_s = vminq_u32(vmin_s, as);
         vst1q_f32(mbuf + j, m);
         vst1q_f32(sbuf + j, s);
     }
@@ -331,8 +354,12 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
-    j = finite ? neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 1)
-               : neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 0);
+    if (finite && neon_fp8_wide(vmin_m, vmin_s, inv_m, inv_v))
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 1, 1);
+    else if (finite)
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 1, 0);
+    else
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 0, 0);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
         ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);

@@ -288,12 +288,17 @@ typedef struct {
  * holds a NaN. The same bits as before in every case. */
 #define AVX2_FP8_NONFINITE 0x7f800000u
 
+/* A block's pattern maxima and minima of |m| and s, lane by lane. */
+typedef struct {
+    __m256i max_m, max_s, min_m, min_s;
+} avx2_fp8_extrema;
+
 /* Pass 1 on 8 elements j..j+7 of the block at b0: decode, update, keep m and s, track the
  * pattern maxima; returns p as the arithmetic made it. sm holds 256 * scale_m (see
  * avx2_e4m3_decode_div256); nan_codes: the block may hold the E4M3 NaN code. */
 AB_INLINE __m256 avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
                                   __m256 sm, __m256 sv, float *mbuf, float *sbuf,
-                                  __m256i *vmax_m, __m256i *vmax_s, int G, int nan_codes)
+                                  avx2_fp8_extrema *ex, int G, int nan_codes)
 {
     int64_t i = b0 + j;
     const uint8_t *qm = (const uint8_t *)t->exp_avg + i, *qv = (const uint8_t *)t->exp_avg_sq + i;
@@ -309,8 +314,11 @@ AB_INLINE __m256 avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64
     s = avx2_adamw_raw(h, &p, g, &m, &v);
     /* amax_m = max |m|; amax_s = max s, as patterns (see the NOTE above) */
     __m256i am = _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x7fffffff));
-    *vmax_m = _mm256_max_epu32(*vmax_m, am);
-    *vmax_s = _mm256_max_epu32(*vmax_s, _mm256_castps_si256(s));
+    __m256i as = _mm256_castps_si256(s);
+    ex->max_m = _mm256_max_epu32(ex->max_m, am);
+    ex->max_s = _mm256_max_epu32(ex->max_s, as);
+    ex->min_m = _mm256_min_epu32(ex->min_m, am);      /* and the minima (see avx2_fp8_wide) */
+    ex->min_s = _mm256_min_epu32(ex->min_s, as);
     _mm256_store_ps(mbuf + j, m);
     _mm256_store_ps(sbuf + j, s);
     return p;
@@ -319,12 +327,11 @@ AB_INLINE __m256 avx2_fp8_update8(const ab_tensor *t, const avx2_hyper *h, int64
 /* Pass 1 on 16 elements j..j+15: two 8-lane updates, p canonicalised where a NaN is, the bf16
  * copy narrowed in one packus and one permute. */
 AB_INLINE void avx2_fp8_update16(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t j,
-                                 __m256 sm, __m256 sv, float *mbuf, float *sbuf, __m256i *vmax_m,
-                                 __m256i *vmax_s, int G, int O, int nt, int nan_codes)
+                                 __m256 sm, __m256 sv, float *mbuf, float *sbuf, avx2_fp8_extrema *ex, int G, int O, int nt, int nan_codes)
 {
     int64_t i = b0 + j;
-    __m256 p0 = avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, nan_codes);
-    __m256 p1 = avx2_fp8_update8(t, h, b0, j + 8, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+    __m256 p0 = avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G, nan_codes);
+    __m256 p1 = avx2_fp8_update8(t, h, b0, j + 8, sm, sv, mbuf, sbuf, ex, G,
                                  nan_codes);
     if (__builtin_expect(avx2_any_nan2(p0, p1), 0))
         p0 = avx2_canon(p0), p1 = avx2_canon(p1);     /* a NaN p is stored as 0x7fc00000 */
@@ -362,15 +369,15 @@ AB_INLINE int avx2_has_e4m3_nan(const uint8_t *qm, int64_t n)
 /* Pass 1 of a block: its whole multiples of 8 elements; returns how many it did. */
 AB_INLINE int64_t avx2_fp8_pass1(const ab_tensor *t, const avx2_hyper *h, int64_t b0, int64_t n,
                                  __m256 sm, __m256 sv, float *mbuf, float *sbuf,
-                                 __m256i *vmax_m, __m256i *vmax_s, int G, int O, int nt,
+                                 avx2_fp8_extrema *ex, int G, int O, int nt,
                                  int nan_codes)
 {
     int64_t j = 0;
     for (; j + 16 <= n; j += 16)
-        avx2_fp8_update16(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, O, nt, nan_codes);
+        avx2_fp8_update16(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G, O, nt, nan_codes);
     if (j + 8 <= n) {
-        __m256 p = avx2_canon(avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s,
-                                               G, nan_codes));
+        __m256 p = avx2_canon(avx2_fp8_update8(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G,
+                                               nan_codes));
         _mm256_storeu_ps(t->param + b0 + j, p);
         avx2_store_out(t->out, b0 + j, p, O, nt);
         j += 8;
@@ -395,24 +402,45 @@ AB_INLINE void avx2_fp8_rescale(avx2_fp8_pending *b, float *scale_m, float *scal
     b->inv_v = _mm256_broadcastss_ps(_mm_shuffle_ps(q, q, 3));
 }
 
-/* The maxima of the 8 pattern lanes of vmax_m and of vmax_s as floats; 0 when either is not
- * finite (the caller then takes the maxima the scalar way). */
-AB_INLINE int avx2_fp8_amax(__m256i vmax_m, __m256i vmax_s, float *amax_m, float *amax_s)
+/* The unsigned max (or min) of the 8 lanes of a and of b, as *fa and *fb. */
+AB_INLINE void avx2_fold_pair(__m256i a, __m256i b, int min, uint32_t *fa, uint32_t *fb)
 {
-    /* [m lanes 0-3, s lanes 0-3] max [m lanes 4-7, s lanes 4-7], then within each half */
-    __m256i mx = _mm256_max_epu32(_mm256_permute2x128_si256(vmax_m, vmax_s, 0x20),
-                                  _mm256_permute2x128_si256(vmax_m, vmax_s, 0x31));
-    mx = _mm256_max_epu32(mx, _mm256_shuffle_epi32(mx, 0x4e));
-    mx = _mm256_max_epu32(mx, _mm256_shuffle_epi32(mx, 0xb1));
-    uint32_t bm = (uint32_t)_mm256_cvtsi256_si32(mx);
-    uint32_t bs = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(mx, 1));
+    /* [a lanes 0-3, b lanes 0-3] op [a lanes 4-7, b lanes 4-7], then within each half */
+    __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+    __m256i x = min ? _mm256_min_epu32(lo, hi) : _mm256_max_epu32(lo, hi);
+    __m256i y = _mm256_shuffle_epi32(x, 0x4e);
+    x = min ? _mm256_min_epu32(x, y) : _mm256_max_epu32(x, y);
+    y = _mm256_shuffle_epi32(x, 0xb1);
+    x = min ? _mm256_min_epu32(x, y) : _mm256_max_epu32(x, y);
+    *fa = (uint32_t)_mm256_cvtsi256_si32(x);
+    *fb = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(x, 1));
+}
+
+/* The block maxima of the pattern lanes as floats; 0 when either is not finite (the caller
+ * then takes the maxima the scalar way). */
+AB_INLINE int avx2_fp8_amax(const avx2_fp8_extrema *ex, float *amax_m, float *amax_s)
+{
+    uint32_t bm, bs;
+    avx2_fold_pair(ex->max_m, ex->max_s, 0, &bm, &bs);
     *amax_m = ab_as_f32(bm), *amax_s = ab_as_f32(bs);
     return bm < AVX2_FP8_NONFINITE && bs < AVX2_FP8_NONFINITE;
 }
 
-/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes. */
-AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, __m256i *cm_out,
-                               __m256i *cv_out)
+/* Whether a finite block is wide (see avx512_fp8_wide in kernel_avx512.c): every x_m >= 2^-6,
+ * every x_v > 2^-14 and inv_v >= 2^-14, from the minima of |m| and s. */
+AB_INLINE int avx2_fp8_wide(const avx2_fp8_extrema *ex, float inv_m, float inv_v)
+{
+    uint32_t bm, bs;
+    avx2_fold_pair(ex->min_m, ex->min_s, 1, &bm, &bs);
+    float tiny_m = ab_as_f32((uint32_t)(127 + AB_E4M3_EMIN) << 23);   /* 2^-6 */
+    float tiny_v = ab_as_f32((uint32_t)(127 + AB_E5M2_EMIN) << 23);   /* 2^-14 */
+    return ab_as_f32(bm) * inv_m >= tiny_m && ab_as_f32(bs) * inv_v > tiny_v && inv_v >= tiny_v;
+}
+
+/* Pass 2 on 8 elements j..j+7 of a rescaled block: the codes of m and s in u32 lanes.
+ * finite: every m and s of the block is finite (and s >= +0), as the block maxima showed. */
+AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite,
+                               int wide, __m256i *cm_out, __m256i *cv_out)
 {
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m = _mm256_load_ps(b->mbuf + j), s = _mm256_load_ps(b->sbuf + j);
@@ -425,21 +453,26 @@ AB_INLINE void avx2_fp8_codes8(avx2_fp8_pending *b, int64_t j, __m256i kh, int s
         rnd_v = _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 7 - AB_E5M2_MBITS);
         b->idx = _mm256_add_epi32(b->idx, _mm256_set1_epi32(8));
     }
-    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    /* x_m = |m| * inv_m; x_v = s * inv_v (wide: b->inv_v holds inv_v * 2^-112) */
     __m256i cm = avx2_fp8_encode(_mm256_mul_ps(_mm256_and_ps(m, abs_mask), b->inv_m),
-                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, rnd_m);
-    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+                                 AB_E4M3_EMIN, AB_E4M3_MBITS, sr, finite, wide, rnd_m);
+    *cv_out = avx2_fp8_encode(_mm256_mul_ps(s, b->inv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, finite,
+                              wide, rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
-     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
-     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
-     * negative NaNs are above), one subtract and one compare */
-    __m256i neg = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)0xff7fffffu),
-                                     _mm256_sub_epi32(_mm256_castps_si256(m), _mm256_set1_epi32(1)));
+     * finite (only a non-finite m gets the NaN code): in a finite block that is m < 0; else
+     * as_u32(m) in (0x80000000, 0xff800000), that is as_i32(m) - 1 < as_i32(0xff7fffff)
+     * signed (-0 wraps to INT_MAX; -inf and the negative NaNs are above), one subtract and
+     * one compare */
+    __m256i neg = finite ? _mm256_castps_si256(_mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_LT_OQ))
+                         : _mm256_cmpgt_epi32(_mm256_set1_epi32((int)0xff7fffffu),
+                                              _mm256_sub_epi32(_mm256_castps_si256(m),
+                                                               _mm256_set1_epi32(1)));
     *cm_out = _mm256_or_si256(cm, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
 }
 
 /* Pass 2 on 8 elements j..j+7: encode m and s, store the codes. */
-AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite,
+                                int wide)
 {
     const __m256i pick_m = _mm256_setr_epi8(
         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -448,7 +481,7 @@ AB_INLINE void avx2_fp8_encode8(avx2_fp8_pending *b, int64_t j, __m256i kh, int 
         -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
         -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
     __m256i cm, cv;
-    avx2_fp8_codes8(b, j, kh, sr, &cm, &cv);
+    avx2_fp8_codes8(b, j, kh, sr, finite, wide, &cm, &cv);
     /* lane 0: m0-3 v0-3, lane 1: m4-7 v4-7 -> m0-7 | v0-7 */
     __m256i c = _mm256_or_si256(_mm256_shuffle_epi8(cm, pick_m), _mm256_shuffle_epi8(cv, pick_v));
     __m128i mv = _mm_unpacklo_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -466,15 +499,29 @@ AB_INLINE __m256i avx2_pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i 
 }
 
 /* Pass 2 on 32 elements j..j+31: encode m and s, one 32-byte store each. */
-AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr)
+AB_INLINE void avx2_fp8_encode32(avx2_fp8_pending *b, int64_t j, __m256i kh, int sr, int finite,
+                                 int wide)
 {
     __m256i cm0, cv0, cm1, cv1, cm2, cv2, cm3, cv3;
-    avx2_fp8_codes8(b, j, kh, sr, &cm0, &cv0);
-    avx2_fp8_codes8(b, j + 8, kh, sr, &cm1, &cv1);
-    avx2_fp8_codes8(b, j + 16, kh, sr, &cm2, &cv2);
-    avx2_fp8_codes8(b, j + 24, kh, sr, &cm3, &cv3);
+    avx2_fp8_codes8(b, j, kh, sr, finite, wide, &cm0, &cv0);
+    avx2_fp8_codes8(b, j + 8, kh, sr, finite, wide, &cm1, &cv1);
+    avx2_fp8_codes8(b, j + 16, kh, sr, finite, wide, &cm2, &cv2);
+    avx2_fp8_codes8(b, j + 24, kh, sr, finite, wide, &cm3, &cv3);
     _mm256_storeu_si256((__m256i *)(b->qm + j), avx2_pack_codes32(cm0, cm1, cm2, cm3));
     _mm256_storeu_si256((__m256i *)(b->qv + j), avx2_pack_codes32(cv0, cv1, cv2, cv3));
+}
+
+/* Pass 2 on the whole multiples of 8 elements of a block: encode, store the codes; returns
+ * how many it did. */
+AB_INLINE int64_t avx2_fp8_pass2(avx2_fp8_pending *b, int64_t n, __m256i kh, int sr, int finite,
+                                 int wide)
+{
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        avx2_fp8_encode32(b, j, kh, sr, finite, wide);
+    for (; j + 8 <= n; j += 8)
+        avx2_fp8_encode8(b, j, kh, sr, finite, wide);
+    return j;
 }
 
 /* One block [b0, b0 + n), n <= 128, by itself: decode, update, keep m and s, rescale, encode;
@@ -488,15 +535,17 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m256 sm = _mm256_set1_ps(*scale_m * 256.0f), sv = _mm256_set1_ps(*scale_v);
-    __m256i vmax_m = _mm256_setzero_si256(), vmax_s = _mm256_setzero_si256();
+    avx2_fp8_extrema ex = {_mm256_setzero_si256(), _mm256_setzero_si256(),
+                           _mm256_set1_epi32(-1), _mm256_set1_epi32(-1)};
     int64_t j = avx2_has_e4m3_nan(qm, n)
-        ? avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 1)
-        : avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
+        ? avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &ex, G, O, nt, 1)
+        : avx2_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &ex, G, O, nt, 0);
     int64_t nvec = j;
     for (; j < n; j++)                                 /* tail: the scalar lines */
         sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
     float amax_m, amax_s;
-    if (avx2_fp8_amax(vmax_m, vmax_s, &amax_m, &amax_s)) {
+    int finite = avx2_fp8_amax(&ex, &amax_m, &amax_s);   /* the vector part's */
+    if (finite) {
         for (j = nvec; j < n; j++)                     /* the tail's finite values */
             ab_fp8_elem_amax(mbuf[j], sbuf[j], &amax_m, &amax_s);
     } else {                                           /* a non-finite value: all again */
@@ -509,10 +558,12 @@ AB_INLINE void avx2_fp8_block(const ab_tensor *t, const avx2_hyper *h, int64_t b
                                            AVX2_IOTA)};
     avx2_fp8_rescale(&b, scale_m, scale_v, amax_m, amax_s);
     float inv_m = _mm256_cvtss_f32(b.inv_m), inv_v = _mm256_cvtss_f32(b.inv_v);
-    for (j = 0; j + 32 <= n; j += 32)
-        avx2_fp8_encode32(&b, j, kh, sr);
-    for (; j + 8 <= n; j += 8)
-        avx2_fp8_encode8(&b, j, kh, sr);
+    if (finite && avx2_fp8_wide(&ex, inv_m, inv_v)) {
+        b.inv_v = _mm256_set1_ps(inv_v * ab_fp8_to_f32_grid(AB_E5M2_EMIN));
+        j = avx2_fp8_pass2(&b, n, kh, sr, 1, 1);
+    } else {
+        j = finite ? avx2_fp8_pass2(&b, n, kh, sr, 1, 0) : avx2_fp8_pass2(&b, n, kh, sr, 0, 0);
+    }
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
         ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
@@ -526,14 +577,20 @@ AB_INLINE void avx2_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     avx2_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m256i kh = _mm256_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    /* NOTE: the blocks read the tensor's fields from a copy whose address never escapes:
+     * through `t`, every store of a code (a byte store, which may alias anything) made the
+     * compiler reload the pointers; full blocks get a constant length */
+    const ab_tensor local = *t;
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
-        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
-                            AB_BLOCK, ab_dtype_size(G), 1);
+        ab_prefetch_streams(local.param, local.grad, local.exp_avg, local.exp_avg_sq,
+                            b0 + AB_PREFETCH, AB_BLOCK, ab_dtype_size(G), 1);
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        if (avx2_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
+        if (avx2_fp8_scale_odd(local.exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
+        else if (n == AB_BLOCK)
+            avx2_fp8_block(&local, &h, b0, AB_BLOCK, kh, G, O, sr, nt);
         else
-            avx2_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+            avx2_fp8_block(&local, &h, b0, n, kh, G, O, sr, nt);
     }
 }
 

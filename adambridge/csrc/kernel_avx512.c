@@ -329,11 +329,16 @@ AB_INLINE void avx512_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, 
  * replaces two compares and two masked float maxima per 16 elements by two integer maxima. */
 #define AVX512_FP8_NONFINITE 0x7f800000u
 
+/* A block's pattern maxima and minima of |m| and s, lane by lane. */
+typedef struct {
+    __m512i max_m, max_s, min_m, min_s;
+} avx512_fp8_extrema;
+
 /* Decode and update 16 elements of a block (lanes k), keeping m and s for the encode; returns
  * p as the arithmetic made it, for the caller to canonicalise and store. sm holds 256 * scale_m (see avx512_e4m3_decode_div256). */
 AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
                                    int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
-                                   __m512i *vmax_m, __m512i *vmax_s, int G, int nan_codes,
+                                   avx512_fp8_extrema *ex, int G, int nan_codes,
                                    __mmask16 k, int full)
 {
     int64_t i = b0 + j;
@@ -349,9 +354,13 @@ AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, in
     __m512 s = _mm512_mul_ps(avx512_e5m2_decode(avx512_load_u8(qv + j, k, full)), sv);
     __m512 v = _mm512_mul_ps(s, s);
     s = avx512_adamw_raw(h, &p, g, &m, &v);
-    /* amax_m = max |m|; amax_s = max s, as patterns (the lanes in k; see the NOTE above) */
-    *vmax_m = _mm512_mask_max_epu32(*vmax_m, k, *vmax_m, _mm512_castps_si512(avx512_abs(m)));
-    *vmax_s = _mm512_mask_max_epu32(*vmax_s, k, *vmax_s, _mm512_castps_si512(s));
+    /* amax_m = max |m|; amax_s = max s, as patterns (the lanes in k; see the NOTE above), and
+     * their minima (see avx512_fp8_wide) */
+    __m512i am = _mm512_castps_si512(avx512_abs(m)), as = _mm512_castps_si512(s);
+    ex->max_m = _mm512_mask_max_epu32(ex->max_m, k, ex->max_m, am);
+    ex->max_s = _mm512_mask_max_epu32(ex->max_s, k, ex->max_s, as);
+    ex->min_m = _mm512_mask_min_epu32(ex->min_m, k, ex->min_m, am);
+    ex->min_s = _mm512_mask_min_epu32(ex->min_s, k, ex->min_s, as);
     _mm512_store_ps(mbuf + j, m);
     _mm512_store_ps(sbuf + j, s);
     return p;
@@ -361,12 +370,12 @@ AB_INLINE __m512 avx512_fp8_update(const ab_tensor *t, const avx512_hyper *h, in
  * (avx512_narrow16x2) into one 64-byte store. */
 AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, int64_t b0,
                                    int64_t j, __m512 sm, __m512 sv, float *mbuf, float *sbuf,
-                                   __m512i *vmax_m, __m512i *vmax_s, int G, int O, int nt,
+                                   avx512_fp8_extrema *ex, int G, int O, int nt,
                                    int nan_codes)
 {
-    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, nan_codes,
+    __m512 p0 = avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G, nan_codes,
                                   0xffff, 1);
-    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G,
+    __m512 p1 = avx512_fp8_update(t, h, b0, j + 16, sm, sv, mbuf, sbuf, ex, G,
                                   nan_codes, 0xffff, 1);
     int64_t i = b0 + j;
     /* a NaN p is stored as 0x7fc00000: one compare for the pair */
@@ -389,17 +398,17 @@ AB_INLINE void avx512_fp8_update32(const ab_tensor *t, const avx512_hyper *h, in
 /* Pass 1 of a block of n <= 128 elements. nan_codes: its m codes may hold the NaN code (the
  * decode selects NaN only then; a test per block instead of three uops per 16 elements). */
 AB_INLINE void avx512_fp8_pass1(const ab_tensor *t, const avx512_hyper *h, int64_t b0, int64_t n,
-                                __m512 sm, __m512 sv, float *mbuf, float *sbuf, __m512i *vmax_m,
-                                __m512i *vmax_s, int G, int O, int nt, int nan_codes)
+                                __m512 sm, __m512 sv, float *mbuf, float *sbuf,
+                                avx512_fp8_extrema *ex, int G, int O, int nt, int nan_codes)
 {
     int64_t j = 0;
     for (; j + 32 <= n; j += 32)
-        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m, vmax_s, G, O, nt, nan_codes);
+        avx512_fp8_update32(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G, O, nt, nan_codes);
     for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
         int full = j + 16 <= n;
         __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        __m512 p = avx512_canon(avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, vmax_m,
-                                                  vmax_s, G, nan_codes, k, full));
+        __m512 p = avx512_canon(avx512_fp8_update(t, h, b0, j, sm, sv, mbuf, sbuf, ex, G,
+                                                  nan_codes, k, full));
         avx512_store_f32(t->param + b0 + j, p, k, full);
         avx512_store_out(t->out, b0 + j, p, O, nt, k, full);
     }
@@ -415,10 +424,11 @@ AB_INLINE void avx512_fp8_amax(const float *mbuf, const float *sbuf, int64_t n, 
         ab_fp8_elem_amax(mbuf[j], sbuf[j], amax_m, amax_s);
 }
 
-/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. */
+/* The codes of 16 elements of a block from the kept m and s, in u32 lanes. finite: every m
+ * and s of the block is finite (and s >= +0), as the block maxima showed. */
 AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf, __m512 vinv_m,
-                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, __m512i *cm_out,
-                                __m512i *cv_out)
+                                __m512 vinv_v, __m512i kh, __m512i idx, int sr, int finite,
+                                int wide, __m512i *cm_out, __m512i *cv_out)
 {
     __m512 m = _mm512_load_ps(mbuf + j), s = _mm512_load_ps(sbuf + j);
     __m512i rnd_m = _mm512_setzero_si512(), rnd_v = _mm512_setzero_si512();
@@ -432,28 +442,32 @@ AB_INLINE void avx512_fp8_codes(int64_t j, const float *mbuf, const float *sbuf,
         rnd_v = _mm512_and_si512(_mm512_srli_epi32(r, 16 - (7 - AB_E5M2_MBITS)),
                                  _mm512_set1_epi32(0xffff << (7 - AB_E5M2_MBITS)));
     }
-    /* x_m = |m| * inv_m; x_v = s * inv_v */
+    /* x_m = |m| * inv_m; x_v = s * inv_v (wide: vinv_v holds inv_v * 2^-112, see
+     * avx512_fp8_wide) */
     __m512i cm = avx512_fp8_encode(_mm512_mul_ps(avx512_abs(m), vinv_m), AB_E4M3_EMIN,
-                                   AB_E4M3_MBITS, sr, rnd_m);
-    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, rnd_v);
+                                   AB_E4M3_MBITS, sr, finite, wide, rnd_m);
+    *cv_out = avx512_fp8_encode(_mm512_mul_ps(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr, finite,
+                                wide, rnd_v);
     /* sign bit when m < 0 and the code is not the NaN code, i.e. m negative, nonzero and
-     * finite (only a non-finite m gets the NaN code): as_u32(m) in (0x80000000, 0xff800000),
-     * that is as_i32(m) - 1 < as_i32(0xff7fffff) signed (-0 wraps to INT_MAX; -inf and the
-     * negative NaNs are above) */
-    __mmask16 neg = _mm512_cmplt_epi32_mask(
-        _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
-        _mm512_set1_epi32((int)0xff7fffffu));
+     * finite (only a non-finite m gets the NaN code): in a finite block that is m < 0; else
+     * as_u32(m) in (0x80000000, 0xff800000), that is as_i32(m) - 1 < as_i32(0xff7fffff)
+     * signed (-0 wraps to INT_MAX; -inf and the negative NaNs are above) */
+    __mmask16 neg = finite ? _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_LT_OQ)
+                           : _mm512_cmplt_epi32_mask(
+                                 _mm512_sub_epi32(_mm512_castps_si512(m), _mm512_set1_epi32(1)),
+                                 _mm512_set1_epi32((int)0xff7fffffu));
     *cm_out = _mm512_mask_or_epi32(cm, neg, cm, _mm512_set1_epi32(0x80));
 }
 
 /* Encode 16 elements of a block (lanes k) from the kept m and s. */
 AB_INLINE void avx512_fp8_encode_step(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
                                       const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
-                                      __m512i idx, int sr, __mmask16 k, int full)
+                                      __m512i idx, int sr, int finite, int wide, __mmask16 k,
+                                      int full)
 {
     uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
     __m512i cm, cv;
-    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, &cm, &cv);
+    avx512_fp8_codes(j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite, wide, &cm, &cv);
     avx512_store_u8(qm + j, _mm512_cvtepi32_epi8(cm), k, full);
     avx512_store_u8(qv + j, _mm512_cvtepi32_epi8(cv), k, full);
 }
@@ -471,15 +485,53 @@ AB_INLINE __m512i avx512_pack_codes64(__m512i c0, __m512i c1, __m512i c2, __m512
 /* Encode 64 elements of a block from j, one 64-byte store per stream. */
 AB_INLINE void avx512_fp8_encode64(const ab_tensor *t, int64_t b0, int64_t j, const float *mbuf,
                                    const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
-                                   __m512i idx, int sr)
+                                   __m512i idx, int sr, int finite, int wide)
 {
     __m512i cm[4], cv[4];
     for (int q = 0; q < 4; q++)
         avx512_fp8_codes(j + 16 * q, mbuf, sbuf, vinv_m, vinv_v, kh,
-                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, &cm[q], &cv[q]);
+                         _mm512_add_epi32(idx, _mm512_set1_epi32(16 * q)), sr, finite, wide,
+                         &cm[q], &cv[q]);
     _mm512_storeu_si512((uint8_t *)t->exp_avg + b0 + j, avx512_pack_codes64(cm[0], cm[1], cm[2], cm[3]));
     _mm512_storeu_si512((uint8_t *)t->exp_avg_sq + b0 + j,
                         avx512_pack_codes64(cv[0], cv[1], cv[2], cv[3]));
+}
+
+/* Pass 2 of a block of n <= 128 elements: encode the kept m and s. */
+AB_INLINE void avx512_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, const float *mbuf,
+                                const float *sbuf, __m512 vinv_m, __m512 vinv_v, __m512i kh,
+                                int sr, int finite, int wide)
+{
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite, wide);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
+    }
+    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
+        int full = j + 16 <= n;
+        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, finite, wide,
+                               k, full);
+        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    }
+}
+
+/* NOTE: whether a finite block is "wide": every x_m = |m| * inv_m >= 2^-6 and every x_v =
+ * s * inv_v > 2^-14, with inv_v >= 2^-14, which the minima of |m| and s show (the products
+ * round monotonically, so the smallest x is the product of the smallest value). Then no code
+ * is an fp8 subnormal or zero, and the encode is shorter with the same bits: for E4M3 `normal`
+ * alone is the right candidate (codecs.h), and for E5M2 s * (inv_v * 2^-112) is one rounding
+ * of the same product as (s * inv_v) * 2^-112 (scaling by a power of two is exact while the
+ * result is normal, and inv_v * 2^-112 is). Blocks with a zero (unused rows) or a value 2^-16
+ * below the block's largest are not wide and take the full encode. */
+AB_INLINE int avx512_fp8_wide(const avx512_fp8_extrema *ex, float inv_m, float inv_v)
+{
+    float min_m = ab_as_f32(_mm512_reduce_min_epu32(ex->min_m));
+    float min_s = ab_as_f32(_mm512_reduce_min_epu32(ex->min_s));
+    float tiny_m = ab_as_f32((uint32_t)(127 + AB_E4M3_EMIN) << 23);   /* 2^-6 */
+    float tiny_v = ab_as_f32((uint32_t)(127 + AB_E5M2_EMIN) << 23);   /* 2^-14 */
+    return min_m * inv_m >= tiny_m && min_s * inv_v > tiny_v && inv_v >= tiny_v;
 }
 
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
@@ -491,31 +543,29 @@ AB_INLINE void avx512_fp8_block(const ab_tensor *t, const avx512_hyper *h, int64
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     __m512 sm = _mm512_set1_ps(*scale_m * 256.0f), sv = _mm512_set1_ps(*scale_v);
-    __m512i vmax_m = _mm512_setzero_si512(), vmax_s = _mm512_setzero_si512();
+    avx512_fp8_extrema ex = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                             _mm512_set1_epi32(-1), _mm512_set1_epi32(-1)};
     if (avx512_has_e4m3_nan((const uint8_t *)t->exp_avg + b0, n))
-        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 1);
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &ex, G, O, nt, 1);
     else
-        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &vmax_m, &vmax_s, G, O, nt, 0);
-    uint32_t bits_m = _mm512_reduce_max_epu32(vmax_m), bits_s = _mm512_reduce_max_epu32(vmax_s);
+        avx512_fp8_pass1(t, h, b0, n, sm, sv, mbuf, sbuf, &ex, G, O, nt, 0);
+    uint32_t bits_m = _mm512_reduce_max_epu32(ex.max_m), bits_s = _mm512_reduce_max_epu32(ex.max_s);
     float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
-    if (bits_m >= AVX512_FP8_NONFINITE || bits_s >= AVX512_FP8_NONFINITE)
+    int finite = bits_m < AVX512_FP8_NONFINITE && bits_s < AVX512_FP8_NONFINITE;
+    if (!finite)
         avx512_fp8_amax(mbuf, sbuf, n, &amax_m, &amax_s);     /* over the finite values only */
     *scale_m = amax_m / AB_E4M3_MAX;                   /* scale_m = amax_m / 448 */
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
     __m512 vinv_m = _mm512_set1_ps(inv_m), vinv_v = _mm512_set1_ps(inv_v);
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(t->offset + b0)), AVX512_IOTA);
-    int64_t j = 0;
-    for (; j + 64 <= n; j += 64) {
-        avx512_fp8_encode64(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr);
-        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(64));
-    }
-    for (; j < n; j += 16) {                           /* the rest: 16 lanes, then masked */
-        int full = j + 16 <= n;
-        __mmask16 k = full ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        avx512_fp8_encode_step(t, b0, j, mbuf, sbuf, vinv_m, vinv_v, kh, idx, sr, k, full);
-        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+    if (finite && avx512_fp8_wide(&ex, inv_m, inv_v)) {
+        __m512 vinv_v_grid = _mm512_set1_ps(inv_v * ab_fp8_to_f32_grid(AB_E5M2_EMIN));
+        avx512_fp8_pass2(t, b0, n, mbuf, sbuf, vinv_m, vinv_v_grid, kh, sr, 1, 1);
+    } else if (finite) {
+        avx512_fp8_pass2(t, b0, n, mbuf, sbuf, vinv_m, vinv_v, kh, sr, 1, 0);
+    } else {
+        avx512_fp8_pass2(t, b0, n, mbuf, sbuf, vinv_m, vinv_v, kh, sr, 0, 0);
     }
 }
 
@@ -534,14 +584,20 @@ AB_INLINE void avx512_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, i
     avx512_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     __m512i kh = _mm512_set1_epi32((int)(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32))));
+    /* NOTE: the blocks read the tensor's fields from a copy whose address never escapes:
+     * through `t`, every store of a code (a byte store, which may alias anything) made the
+     * compiler reload the pointers, about one scalar instruction per element */
+    const ab_tensor local = *t;
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
         int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
-        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
-                            AB_BLOCK, ab_dtype_size(G), 1);
-        if (avx512_fp8_scale_odd(t->exp_avg_scale[b0 / AB_BLOCK]))
+        ab_prefetch_streams(local.param, local.grad, local.exp_avg, local.exp_avg_sq,
+                            b0 + AB_PREFETCH, AB_BLOCK, ab_dtype_size(G), 1);
+        if (avx512_fp8_scale_odd(local.exp_avg_scale[b0 / AB_BLOCK]))
             ab_update_scalar(t, b0, b0 + n, 0);
+        else if (n == AB_BLOCK)
+            avx512_fp8_block(&local, &h, b0, AB_BLOCK, kh, G, O, sr, nt);
         else
-            avx512_fp8_block(t, &h, b0, n, kh, G, O, sr, nt);
+            avx512_fp8_block(&local, &h, b0, n, kh, G, O, sr, nt);
     }
 }
 

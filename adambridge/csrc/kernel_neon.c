@@ -59,14 +59,6 @@ AB_INLINE float32x4_t neon_adamw(const neon_hyper *h, float32x4_t *p, float32x4_
     return s;
 }
 
-/* a > b ? a : b, lane by lane (the scalar semantics, NaN included). */
-AB_INLINE float32x4_t neon_max(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
-/* x where |x| < inf, else 0 (the fp8 block max skips non-finite values) */
-AB_INLINE float32x4_t neon_finite_or_0(float32x4_t x)
-{
-    uint32x4_t fin = vcltq_f32(vabsq_f32(x), vdupq_n_f32(ab_as_f32(0x7f800000u)));
-    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), fin));
-}
 AB_INLINE float32x4_t neon_abs(float32x4_t x)
 {
     return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x7fffffffu)));
@@ -163,12 +155,21 @@ AB_INLINE float32x4_t neon_fp8_decode(const uint8_t *src, int emin, int mbits)
  * in u32 lanes, in the integer domain: b = min(as_u32(x * 2^(-126-emin)), 0x7f << (23-mbits)),
  * code = (b + rnd) >> (23-mbits) with rnd = r16 <<
  * (7 - mbits) (SR) or 2^(22-mbits) - 1 + the kept lowest bit (nearest even). The shifts
- * are by constants at every use (the function is always inlined). */
-AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, uint32x4_t r16)
+ * are by constants at every use (the function is always inlined). finite: every x is finite,
+ * so the min is a no-op (x is at most max * (1 + 2^-22), whose pattern is far below the NaN
+ * code's) and is left out. wide: no x is below 2^emin and an E5M2 x comes already multiplied by
+ * 2^(-126-emin) (see avx512_fp8_wide in kernel_avx512.c). */
+AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr, int finite,
+                                     int wide, uint32x4_t r16)
 {
     const int drop = 23 - mbits;
     uint32x4_t b;
-    if (mbits == AB_E4M3_MBITS) {
+    if (wide && mbits == AB_E4M3_MBITS) {
+        /* normal = as_u32(x) - ((126 + emin) << 23), the right candidate for x >= 2^emin */
+        b = vsubq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32((uint32_t)(126 + emin) << 23));
+    } else if (wide) {
+        b = vreinterpretq_u32_f32(x);                  /* x * 2^(-126-emin), done by the caller */
+    } else if (mbits == AB_E4M3_MBITS) {
         /* no subnormal product (codecs.h: Arm has no assist, but the bits must match) */
         float32x4_t y = vaddq_f32(x, vdupq_n_f32(ab_as_f32((uint32_t)(127 + emin) << 23)));
         int32x4_t small = vsubq_s32(vreinterpretq_s32_f32(y), vdupq_n_s32((127 + emin) << 23));
@@ -177,7 +178,8 @@ AB_INLINE uint32x4_t neon_fp8_encode(float32x4_t x, int emin, int mbits, int sr,
     } else {
         b = vreinterpretq_u32_f32(vmulq_f32(x, vdupq_n_f32(ab_fp8_to_f32_grid(emin))));
     }
-    b = vminq_u32(b, vdupq_n_u32(AB_FP8_NAN << drop));     /* a non-finite x: the NaN code */
+    if (!finite)
+        b = vminq_u32(b, vdupq_n_u32(AB_FP8_NAN << drop)); /* a non-finite x: the NaN code */
     uint32x4_t rnd;
     if (sr) {
         rnd = vshlq_u32(r16, vdupq_n_s32(7 - mbits));
@@ -249,6 +251,57 @@ AB_INLINE void neon_loop_flat(const ab_tensor *t, int64_t begin, int64_t end, in
 
 /* ---- fp8 moments ------------------------------------------------------------------------ */
 
+/* NOTE: as in kernel_avx2.c, the block maxima are unsigned integer maxima of the patterns of
+ * |m| and s: for non-negative finite floats the order of the patterns is the order of the
+ * values, so the result is the same float. A non-finite |m| or s (or an s with its sign bit
+ * set) has a pattern >= 0x7f800000, and then the maxima are taken again over the finite values
+ * by the scalar lines; otherwise the encode knows every value finite. */
+#define NEON_FP8_NONFINITE 0x7f800000u
+
+/* Pass 2 on the whole multiples of 4 elements of a block: encode the kept m and s, store the
+ * codes; returns how many it did. finite: every m and s of those is finite (and s >= +0). */
+AB_INLINE int64_t neon_fp8_pass2(const ab_tensor *t, int64_t b0, int64_t n, const float *mbuf,
+                                 const float *sbuf, float inv_m, float inv_v, uint32x4_t kh,
+                                 int sr, int finite, int wide)
+{
+    uint8_t *qm = (uint8_t *)t->exp_avg + b0, *qv = (uint8_t *)t->exp_avg_sq + b0;
+    /* wide: x_v = s * (inv_v * 2^-112), see avx512_fp8_wide */
+    float32x4_t vinv_m = vdupq_n_f32(inv_m);
+    float32x4_t vinv_v = vdupq_n_f32(wide ? inv_v * ab_fp8_to_f32_grid(AB_E5M2_EMIN) : inv_v);
+    static const uint32_t iota[4] = {0, 1, 2, 3};
+    uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)(t->offset + b0)), vld1q_u32(iota));
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        float32x4_t m = vld1q_f32(mbuf + j), s = vld1q_f32(sbuf + j);
+        uint32x4_t r = sr ? neon_mix32(veorq_u32(kh, idx)) : vdupq_n_u32(0);
+        idx = vaddq_u32(idx, vdupq_n_u32(4));
+        /* x_m = |m| * inv_m; x_v = s * inv_v */
+        uint32x4_t cm = neon_fp8_encode(vmulq_f32(neon_abs(m), vinv_m), AB_E4M3_EMIN,
+                                        AB_E4M3_MBITS, sr, finite, wide,
+                                        vandq_u32(r, vdupq_n_u32(0xffff)));
+        uint32x4_t cv = neon_fp8_encode(vmulq_f32(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
+                                        finite, wide, vshrq_n_u32(r, 16));
+        /* sign bit when m < 0 and the code is not the NaN code (in a finite block: m < 0) */
+        uint32x4_t neg = vcltq_f32(m, vdupq_n_f32(0.0f));
+        if (!finite)
+            neg = vbicq_u32(neg, vceqq_u32(cm, vdupq_n_u32(AB_FP8_NAN)));
+        cm = vorrq_u32(cm, vandq_u32(neg, vdupq_n_u32(0x80)));
+        neon_store_u8x4(qm + j, cm);
+        neon_store_u8x4(qv + j, cv);
+    }
+    return j;
+}
+
+/* Whether a finite block is wide (see avx512_fp8_wide in kernel_avx512.c): every x_m >= 2^-6,
+ * every x_v > 2^-14 and inv_v >= 2^-14, from the pattern minima of |m| and s. */
+AB_INLINE int neon_fp8_wide(uint32x4_t vmin_m, uint32x4_t vmin_s, float inv_m, float inv_v)
+{
+    float tiny_m = ab_as_f32((uint32_t)(127 + AB_E4M3_EMIN) << 23);   /* 2^-6 */
+    float tiny_v = ab_as_f32((uint32_t)(127 + AB_E5M2_EMIN) << 23);   /* 2^-14 */
+    return ab_as_f32(vminvq_u32(vmin_m)) * inv_m >= tiny_m &&
+           ab_as_f32(vminvq_u32(vmin_s)) * inv_v > tiny_v && inv_v >= tiny_v;
+}
+
 /* One block [b0, b0 + n), n <= 128: decode, update, keep m and s, rescale, encode. */
 AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b0, int64_t n,
                               uint32x4_t kh, int G, int O, int sr)
@@ -260,7 +313,8 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
     float *scale_m = &t->exp_avg_scale[b0 / AB_BLOCK];
     float *scale_v = &t->exp_avg_sq_scale[b0 / AB_BLOCK];
     float32x4_t sm = vdupq_n_f32(*scale_m), sv = vdupq_n_f32(*scale_v);
-    float32x4_t vmax_m = vdupq_n_f32(0.0f), vmax_s = vdupq_n_f32(0.0f);
+    uint32x4_t vmax_m = vdupq_n_u32(0), vmax_s = vdupq_n_u32(0);
+    uint32x4_t vmin_m = vdupq_n_u32(0xffffffffu), vmin_s = vdupq_n_u32(0xffffffffu);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         int64_t i = b0 + j;
@@ -274,19 +328,23 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
         s = neon_adamw(h, &p, g, &m, &v);
         vst1q_f32(pp + i, p);
         neon_store_out(t->out, i, p, O);
-        /* amax_m = max finite |m|; amax_s = max finite s */
-        vmax_m = neon_max(neon_finite_or_0(neon_abs(m)), vmax_m);
-        vmax_s = neon_max(neon_finite_or_0(s), vmax_s);
+        /* amax_m = max |m|; amax_s = max s, as patterns (see the NOTE above) */
+        uint32x4_t am = vreinterpretq_u32_f32(neon_abs(m)), as = vreinterpretq_u32_f32(s);
+        vmax_m = vmaxq_u32(vmax_m, am);
+        vmax_s = vmaxq_u32(vmax_s, as);
+        vmin_m = vminq_u32(vmin_m, am);                /* and the minima (see neon_fp8_wide) */
+        vmin_s = vminq_u32(vmin_s, as);
         vst1q_f32(mbuf + j, m);
         vst1q_f32(sbuf + j, s);
     }
-    float lanes_m[4], lanes_s[4];
-    vst1q_f32(lanes_m, vmax_m);
-    vst1q_f32(lanes_s, vmax_s);
-    float amax_m = 0.0f, amax_s = 0.0f;
-    for (int k = 0; k < 4; k++) {
-        amax_m = lanes_m[k] > amax_m ? lanes_m[k] : amax_m;
-        amax_s = lanes_s[k] > amax_s ? lanes_s[k] : amax_s;
+    int64_t nvec = j;
+    uint32_t bits_m = vmaxvq_u32(vmax_m), bits_s = vmaxvq_u32(vmax_s);
+    float amax_m = ab_as_f32(bits_m), amax_s = ab_as_f32(bits_s);
+    int finite = bits_m < NEON_FP8_NONFINITE && bits_s < NEON_FP8_NONFINITE;   /* the vector part's */
+    if (!finite) {                                     /* over the finite values only */
+        amax_m = 0.0f, amax_s = 0.0f;
+        for (int64_t k = 0; k < nvec; k++)
+            ab_fp8_elem_amax(mbuf[k], sbuf[k], &amax_m, &amax_s);
     }
     for (; j < n; j++) {                               /* tail: the scalar lines */
         sbuf[j] = ab_fp8_elem_update(t, b0 + j, qm[j], qv[j], *scale_m, *scale_v, &mbuf[j], G, O);
@@ -296,25 +354,12 @@ AB_INLINE void neon_fp8_block(const ab_tensor *t, const neon_hyper *h, int64_t b
     *scale_v = amax_s / AB_E5M2_MAX;                   /* scale_v = amax_s / 57344 */
     float inv_m = ab_fp8_inverse_scale(AB_E4M3_MAX, amax_m);  /* 448 / amax_m, or 0 */
     float inv_v = ab_fp8_inverse_scale(AB_E5M2_MAX, amax_s);  /* 57344 / amax_s, or 0 */
-    float32x4_t vinv_m = vdupq_n_f32(inv_m), vinv_v = vdupq_n_f32(inv_v);
-    static const uint32_t iota[4] = {0, 1, 2, 3};
-    uint32x4_t idx = vaddq_u32(vdupq_n_u32((uint32_t)(t->offset + b0)), vld1q_u32(iota));
-    for (j = 0; j + 4 <= n; j += 4) {
-        float32x4_t m = vld1q_f32(mbuf + j), s = vld1q_f32(sbuf + j);
-        uint32x4_t r = sr ? neon_mix32(veorq_u32(kh, idx)) : vdupq_n_u32(0);
-        idx = vaddq_u32(idx, vdupq_n_u32(4));
-        /* x_m = |m| * inv_m; x_v = s * inv_v */
-        uint32x4_t cm = neon_fp8_encode(vmulq_f32(neon_abs(m), vinv_m), AB_E4M3_EMIN,
-                                        AB_E4M3_MBITS, sr, vandq_u32(r, vdupq_n_u32(0xffff)));
-        uint32x4_t cv = neon_fp8_encode(vmulq_f32(s, vinv_v), AB_E5M2_EMIN, AB_E5M2_MBITS, sr,
-                                        vshrq_n_u32(r, 16));
-        /* sign bit when m < 0 and the code is not the NaN code */
-        uint32x4_t neg = vbicq_u32(vcltq_f32(m, vdupq_n_f32(0.0f)),
-                                   vceqq_u32(cm, vdupq_n_u32(AB_FP8_NAN)));
-        cm = vorrq_u32(cm, vandq_u32(neg, vdupq_n_u32(0x80)));
-        neon_store_u8x4(qm + j, cm);
-        neon_store_u8x4(qv + j, cv);
-    }
+    if (finite && neon_fp8_wide(vmin_m, vmin_s, inv_m, inv_v))
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 1, 1);
+    else if (finite)
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 1, 0);
+    else
+        j = neon_fp8_pass2(t, b0, n, mbuf, sbuf, inv_m, inv_v, kh, sr, 0, 0);
     for (; j < n; j++) {                               /* tail: the scalar lines */
         uint32_t r = sr ? ab_hash_inline(t->key, (uint64_t)(t->offset + b0 + j)) : 0u;
         ab_fp8_elem_encode(mbuf[j], sbuf[j], inv_m, inv_v, sr, r, &qm[j], &qv[j]);
@@ -327,10 +372,18 @@ AB_INLINE void neon_loop_fp8(const ab_tensor *t, int64_t begin, int64_t end, int
     neon_hyper_init(&h, &t->hparams);
     uint64_t gi = (uint64_t)(t->offset + begin);
     uint32x4_t kh = vdupq_n_u32(t->key ^ ab_mix32_inline((uint32_t)(gi >> 32)));
+    /* NOTE: as in kernel_avx2.c, the blocks read a copy of the tensor whose address never
+     * escapes (byte stores of codes made the compiler reload its pointers); full blocks get a
+     * constant length */
+    const ab_tensor local = *t;
     for (int64_t b0 = begin; b0 < end; b0 += AB_BLOCK) {
-        ab_prefetch_streams(t->param, t->grad, t->exp_avg, t->exp_avg_sq, b0 + AB_PREFETCH,
-                            AB_BLOCK, ab_dtype_size(G), 1);
-        neon_fp8_block(t, &h, b0, end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK, kh, G, O, sr);
+        ab_prefetch_streams(local.param, local.grad, local.exp_avg, local.exp_avg_sq,
+                            b0 + AB_PREFETCH, AB_BLOCK, ab_dtype_size(G), 1);
+        int64_t n = end - b0 < AB_BLOCK ? end - b0 : AB_BLOCK;
+        if (n == AB_BLOCK)
+            neon_fp8_block(&local, &h, b0, AB_BLOCK, kh, G, O, sr);
+        else
+            neon_fp8_block(&local, &h, b0, n, kh, G, O, sr);
     }
 }
 

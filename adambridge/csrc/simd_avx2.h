@@ -107,12 +107,21 @@ AB_INLINE __m256 avx2_e4m3_decode_div256(__m128i c)
  * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
  * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
  * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
- * kept lowest bit (nearest even). */
-AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i rnd)
+ * kept lowest bit (nearest even). finite: every x is finite, so the min is a no-op (x is at
+ * most max * (1 + 2^-22), whose pattern is far below the NaN code's) and is left out. wide:
+ * no x is below 2^emin and an E5M2 x comes already multiplied by 2^(-126-emin) (see
+ * avx512_fp8_wide in kernel_avx512.c). */
+AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, int finite, int wide,
+                                  __m256i rnd)
 {
     const int drop = 23 - mbits;
     __m256i b;
-    if (mbits == AB_E4M3_MBITS) {
+    if (wide && mbits == AB_E4M3_MBITS) {
+        /* normal = as_u32(x) - ((126 + emin) << 23), the right candidate for x >= 2^emin */
+        b = _mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32((126 + emin) << 23));
+    } else if (wide) {
+        b = _mm256_castps_si256(x);                    /* x * 2^(-126-emin), done by the caller */
+    } else if (mbits == AB_E4M3_MBITS) {
         /* no subnormal product (codecs.h): max(small, normal) */
         __m256 y = _mm256_add_ps(x, _mm256_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
         __m256i small = _mm256_sub_epi32(_mm256_castps_si256(y), _mm256_set1_epi32((127 + emin) << 23));
@@ -121,7 +130,8 @@ AB_INLINE __m256i avx2_fp8_encode(__m256 x, int emin, int mbits, int sr, __m256i
     } else {
         b = _mm256_castps_si256(_mm256_mul_ps(x, _mm256_set1_ps(ab_fp8_to_f32_grid(emin))));
     }
-    b = _mm256_min_epu32(b, _mm256_set1_epi32((int)(AB_FP8_NAN << drop)));
+    if (!finite)
+        b = _mm256_min_epu32(b, _mm256_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, drop), _mm256_set1_epi32(1));
         rnd = _mm256_add_epi32(odd, _mm256_set1_epi32((1 << (drop - 1)) - 1));

@@ -74,12 +74,15 @@ AB_INLINE __m512 avx512_load_grad(const void *g, int64_t i, int dtype, __mmask16
     return avx512_half_to_f32(avx512_load_u16((const uint16_t *)g + i, k, full), dtype);
 }
 
-/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. */
+/* bf16 RNE on 16 lanes, as u32 lanes: (u + 0x7fff + ((u >> 16) & 1)) >> 16. The kept lowest
+ * bit is tested into a mask and added under it: one uop where a shift and an and took two, and
+ * shifts have the fewest ports. */
 AB_INLINE __m512i avx512_bf16_rne(__m512 x)
 {
     __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
+    u = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+    u = _mm512_mask_add_epi32(u, odd, u, _mm512_set1_epi32(1));
     return _mm512_srli_epi32(u, 16);
 }
 
@@ -111,16 +114,26 @@ AB_INLINE void avx512_store_out(void *out, int64_t i, __m512 p, int dtype, int n
  * relative to the exponent bias), and the 256 goes into the block's scale: (h * 256) * scale
  * and h * (256 * scale) round the same product once. The E5M2 codes with E == 31 are fp16
  * inf and NaN, as in the scalar decode; the E4M3 NaN code is selected separately. */
+/* 16 bytes -> 16 u16 lanes holding c << 8: one byte shuffle of both 128-bit lanes, where a
+ * zero-extend and a shift took two uops. */
+AB_INLINE __m256i avx512_u8_to_high16(__m128i c)
+{
+    const __m256i high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,
+                                          -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
+                                          -1, 15);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(c), high);
+}
+
 AB_INLINE __m512 avx512_e5m2_decode(__m128i c)
 {
-    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
+    return _mm512_cvtph_ps(avx512_u8_to_high16(c));
 }
 
 /* E4M3 / 256 for codes other than the NaN code (see avx512_e4m3_decode_div256). */
 AB_INLINE __m512 avx512_e4m3_decode_div256_finite(__m128i c)
 {
     /* (c << 8) >> 1 with the sign kept in bit 15 and cleared from bit 14 */
-    __m256i h = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8), 1);
+    __m256i h = _mm256_srai_epi16(avx512_u8_to_high16(c), 1);
     return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
 }
 
@@ -136,12 +149,21 @@ AB_INLINE __m512 avx512_e4m3_decode_div256(__m128i c)
  * code in bits 0-7 of each u32 lane, in the integer domain: b = min(as_u32(x * 2^(-126-emin)),
  * 0x7f << (23-mbits)) (unsigned: a non-finite x gives the NaN code), code = (b + rnd) >>
  * (23-mbits) with rnd = r16 << (7 - mbits) from the caller (SR) or 2^(22-mbits) - 1 + the
- * kept lowest bit (nearest even). */
-AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m512i rnd)
+ * kept lowest bit (nearest even). finite: every x is finite, so the min is a no-op (x is at
+ * most max * (1 + 2^-22), whose pattern is far below the NaN code's) and is left out. wide:
+ * no x is below 2^emin and an E5M2 x comes already multiplied by 2^(-126-emin) (see
+ * avx512_fp8_wide in kernel_avx512.c). */
+AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, int finite, int wide,
+                                    __m512i rnd)
 {
     const int drop = 23 - mbits;
     __m512i b;
-    if (mbits == AB_E4M3_MBITS) {
+    if (wide && mbits == AB_E4M3_MBITS) {
+        /* normal = as_u32(x) - ((126 + emin) << 23), the right candidate for x >= 2^emin */
+        b = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32((126 + emin) << 23));
+    } else if (wide) {
+        b = _mm512_castps_si512(x);                    /* x * 2^(-126-emin), done by the caller */
+    } else if (mbits == AB_E4M3_MBITS) {
         /* no subnormal product (codecs.h): max(small, normal) */
         __m512 y = _mm512_add_ps(x, _mm512_set1_ps(ab_as_f32((uint32_t)(127 + emin) << 23)));
         __m512i small = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32((127 + emin) << 23));
@@ -150,7 +172,8 @@ AB_INLINE __m512i avx512_fp8_encode(__m512 x, int emin, int mbits, int sr, __m51
     } else {
         b = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(ab_fp8_to_f32_grid(emin))));
     }
-    b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
+    if (!finite)
+        b = _mm512_min_epu32(b, _mm512_set1_epi32((int)(AB_FP8_NAN << drop)));
     if (!sr) {
         __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, drop), _mm512_set1_epi32(1));
         rnd = _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (drop - 1)) - 1));

@@ -97,7 +97,7 @@ class GradEditsMixin:
         task = torch._C._current_graph_task_id()
         if task != -1:  # written inside backward: backward raises, so the step fails as
             self._open_tasks.add(task)  # after any interrupted pass
-            caller = _caller_outside_adambridge()
+            caller = _first_frame_outside(_LIBRARY_DIRS[1:])  # (adambridge's own only)
             if caller is None or caller.f_code.co_filename.startswith(_LIBRARY_DIRS[0]):
                 raise second_gradient_error(self.opt.index(p))  # autograd accumulating
             raise _hook_write_error(self.opt.index(p), caller)
@@ -251,21 +251,24 @@ class GradEditsMixin:
                 p.grad = zeros_like(p)
 
 
-def _caller_outside_adambridge() -> Any:
-    """The innermost Python frame that is not adambridge's own (None if there is none)."""
+def _first_frame_outside(dirs: tuple) -> Any:
+    """The innermost Python frame of a file under none of ``dirs`` (None if there is none)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS[1]):
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
         frame = frame.f_back
     return frame
+
+
+def _where(frame: Any) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _hook_write_error(index: int, caller: Any) -> RuntimeError:
     """Code of the user's wrote p.grad inside backward, after the hook had taken it: a
     post-accumulate-grad hook registered after attach_hooks (it runs after ours)."""
-    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     return RuntimeError(f"adambridge: the gradient of parameter {index} was written during "
-                        f"backward ({where}, a hook of your own?) after async mode had taken "
-                        f"it; register your post-accumulate-grad hook before "
+                        f"backward ({_where(caller)}, a hook of your own?) after async mode "
+                        f"had taken it; register your post-accumulate-grad hook before "
                         f"opt.attach_hooks(model), so it runs first, or make the change "
                         f"after backward")
 
@@ -273,16 +276,9 @@ def _hook_write_error(index: int, caller: Any) -> RuntimeError:
 def _describe_write(index: int) -> str:
     """'<op> on p.grad of parameter i at file:line': the write about to run, and the first
     frame of the caller's code (outside torch and adambridge) that made it."""
-    where = ""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_LIBRARY_DIRS):
-            where = f" at {os.path.basename(name)}:{frame.f_lineno}"
-            break
-        frame = frame.f_back
-    op = current_write() or "a write"
-    return f"{op} on p.grad of parameter {index}{where}"
+    caller = _first_frame_outside(_LIBRARY_DIRS)
+    where = "" if caller is None else f" at {_where(caller)}"
+    return f"{current_write() or 'a write'} on p.grad of parameter {index}{where}"
 
 
 # torch's and adambridge's own files: the frames a write's location skips
